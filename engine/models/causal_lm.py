@@ -1,0 +1,87 @@
+"""The model interface the engine decodes with: append tokens to a KV cache, get logits, roll back.
+
+Speculative decoding needs exactly three operations from a model: feed some tokens and read the
+logits of the last few positions (one call verifies K+1 tokens), and cut the cache back to the
+accepted length. Everything else (sampling, acceptance) lives outside the model.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+class CausalLM(ABC):
+    """A causal LM plus one sequence's KV cache. Cheap to create: weights are shared, state is not."""
+
+    name: str
+    backend: str
+    vocab_size: int
+
+    def __init__(self) -> None:
+        self.length = 0  # tokens held in the KV cache
+        self.forward_seconds = 0.0  # wall time spent inside model forwards (for overhead metrics)
+        self.num_forwards = 0
+
+    def forward(self, tokens: Sequence[int], last_n: int = 1) -> torch.Tensor:
+        """Append `tokens` to the cache; return float32 logits [last_n, V] of the last positions."""
+        if not tokens:
+            raise ValueError("forward needs at least one token")
+        start = time.perf_counter()
+        logits = self._forward(tokens, last_n)
+        self.length += len(tokens)
+        self.forward_seconds += time.perf_counter() - start
+        self.num_forwards += 1
+        return logits
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first `length` cached tokens (rejected drafts are dropped this way)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back a cache of {self.length} tokens to {length}")
+        if length < self.length:
+            self._crop(self.length - length)
+            self.length = length
+
+    def reset(self) -> None:
+        self._reset()
+        self.length = 0
+
+    @abstractmethod
+    def _forward(self, tokens: Sequence[int], last_n: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _crop(self, tokens_to_remove: int) -> None: ...
+
+    @abstractmethod
+    def _reset(self) -> None: ...
+
+
+class HFCausalLM(CausalLM):
+    """Backend for any Hugging Face causal LM, using its `DynamicCache`."""
+
+    backend = "transformers"
+
+    def __init__(self, model: PreTrainedModel, name: str, vocab_size: int | None = None) -> None:
+        super().__init__()
+        self.model = model.eval()
+        self.name = name
+        # Tokenizer-sized vocabulary: some checkpoints pad the LM head past the tokenizer.
+        self.vocab_size = vocab_size or model.config.vocab_size
+        self.device = next(model.parameters()).device
+        self.cache = DynamicCache(config=model.config)
+
+    @torch.inference_mode()
+    def _forward(self, tokens: Sequence[int], last_n: int) -> torch.Tensor:
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=last_n)
+        return out.logits[0, -last_n:, : self.vocab_size].float()
+
+    def _crop(self, tokens_to_remove: int) -> None:
+        self.cache.crop(-tokens_to_remove)
+
+    def _reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)

@@ -1,0 +1,148 @@
+"""Model pairs: the embedded default, the tiny test pair, and any Hugging Face pair by name.
+
+A `ModelPair` holds shared weights and a tokenizer; `make_target()` / `make_drafter()` hand out
+fresh per-generation state (KV caches), so several generations can share one loaded pair.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from engine.drafters import Drafter, ModelDrafter, NgramDrafter
+from engine.models.causal_lm import CausalLM, HFCausalLM
+from engine.models.embedded import embedded_target_dir
+from engine.models.layer_subset import layer_subset_model
+from engine.models.tiny import tiny_pair_dirs
+
+PAIRS = ("default", "tiny")
+DRAFTER_KINDS = ("model", "ngram", "self")
+# Until the project ships a trained draft, the default draft is an early exit of the target:
+# its first layers plus the target's final norm and LM head (chosen by measured acceptance).
+DEFAULT_DRAFT_LAYERS = (0, 1, 2, 3, 4, 5)
+
+hf_logging.disable_progress_bar()  # our own messages say what is loading
+
+
+@dataclass
+class ModelPair:
+    name: str
+    tokenizer: PreTrainedTokenizerBase
+    target_model: PreTrainedModel
+    draft_model: PreTrainedModel | None
+    draft_description: str
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def make_target(self) -> CausalLM:
+        return HFCausalLM(self.target_model, f"{self.name}/target", self.vocab_size)
+
+    def make_drafter(self, kind: str = "model") -> Drafter:
+        if kind == "model":
+            if self.draft_model is None:
+                raise ValueError(f"pair {self.name!r} has no draft model; use the 'ngram' drafter")
+            return ModelDrafter(HFCausalLM(self.draft_model, f"{self.name}/draft", self.vocab_size),
+                                self.draft_description)
+        if kind == "self":
+            return ModelDrafter(HFCausalLM(self.target_model, f"{self.name}/target-as-draft", self.vocab_size),
+                                "the target itself")
+        if kind == "ngram":
+            return NgramDrafter(self.vocab_size)
+        raise ValueError(f"unknown drafter {kind!r}; expected one of {', '.join(DRAFTER_KINDS)}")
+
+    def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
+        """Token ids for a user prompt, through the chat template when the tokenizer has one."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("the prompt is empty: type some text to continue")
+        if chat and self.tokenizer.chat_template:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            return list(ids)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _eos_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, model.config.eos_token_id,
+                   getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return frozenset(ids)
+
+
+def check_same_vocabulary(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase,
+                          target_name: str = "target", draft_name: str = "draft") -> None:
+    """Token-level speculative decoding needs one vocabulary: same ids for the same strings."""
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        a, b = target_tok.get_vocab(), draft_tok.get_vocab()
+        raise ValueError(
+            f"the vocabularies of {target_name} ({len(a)} tokens) and {draft_name} ({len(b)} tokens) differ "
+            f"({len(set(a.items()) ^ set(b.items()))} mismatched entries); pick a draft from the same model family"
+        )
+
+
+def _load_dir(path: Path | str, **kwargs) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True,
+                                                trust_remote_code=False, **kwargs).eval()
+
+
+@lru_cache(maxsize=4)
+def load_pair(name: str = "default", target: str | None = None, draft: str | None = None) -> ModelPair:
+    """Load a pair by registry name, or a Hugging Face `target`/`draft` pair by hub name or path."""
+    if target is not None:
+        return _load_hf_pair(target, draft)
+    if name == "tiny":
+        target_dir, draft_dir = tiny_pair_dirs()
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        check_same_vocabulary(tokenizer, AutoTokenizer.from_pretrained(draft_dir), "tiny target", "tiny draft")
+        target_model = _load_dir(target_dir)
+        return ModelPair("tiny", tokenizer, target_model, _load_dir(draft_dir),
+                         "tiny random Llama (target's layer 0)", _eos_ids(tokenizer, target_model))
+    if name == "default":
+        target_dir = embedded_target_dir()
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        target_model = _load_dir(target_dir)
+        draft_model = layer_subset_model(target_model, DEFAULT_DRAFT_LAYERS)
+        layers = f"{DEFAULT_DRAFT_LAYERS[0]}-{DEFAULT_DRAFT_LAYERS[-1]}"
+        return ModelPair("default", tokenizer, target_model, draft_model,
+                         f"SmolLM2-135M layers {layers} (early exit, untrained)", _eos_ids(tokenizer, target_model))
+    raise ValueError(f"unknown pair {name!r}; expected one of {', '.join(PAIRS)}, or give target= and draft=")
+
+
+def _load_hf_pair(target: str, draft: str | None) -> ModelPair:
+    def load(name: str) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
+        try:
+            return AutoTokenizer.from_pretrained(name, trust_remote_code=False), _load_dir(name)
+        except (OSError, ValueError) as err:
+            offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+            raise ValueError(
+                f"could not load {name!r}: not a local folder and not in the Hugging Face cache"
+                + (" (HF_HUB_OFFLINE=1)" if offline else ", and the hub could not be reached")
+                + f". Only safetensors checkpoints without remote code are supported. Cause: {err}"
+            ) from err
+
+    target_tok, target_model = load(target)
+    draft_model = None
+    if draft is not None:
+        draft_tok, draft_model = load(draft)
+        check_same_vocabulary(target_tok, draft_tok, target, draft)
+    return ModelPair(f"{target}+{draft or 'ngram'}", target_tok, target_model, draft_model,
+                     draft or "none", _eos_ids(target_tok, target_model))
+
+
+def split_pair_names(names: Sequence[str]) -> tuple[str, str | None]:
+    target, *rest = names
+    return target, (rest[0] if rest else None)
