@@ -11,10 +11,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.models.causal_lm import CausalLM
 from engine.sampling import SamplingParams, logits_to_probs, sample_from
 
 
@@ -22,6 +22,10 @@ from engine.sampling import SamplingParams, logits_to_probs, sample_from
 class Proposal:
     tokens: list[int]  # n <= K drafted tokens
     probs: torch.Tensor  # [n, V]: D_i, the distribution tokens[i] was sampled from
+
+
+if TYPE_CHECKING:  # models.registry builds drafters; import the interface only for type checking
+    from engine.models.causal_lm import CausalLM
 
 
 class Drafter(ABC):

@@ -78,7 +78,8 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     enough for a 49k vocabulary; `right=True` skips zero-probability tokens.
     """
     cdf = torch.cumsum(probs.double(), dim=-1)
-    target = (uniforms.double() * cdf[..., -1]).unsqueeze(-1)
+    # Clamping u below 1 keeps the search inside the last token with positive mass.
+    target = (uniforms.double().clamp(0.0, 1.0 - 1e-12) * cdf[..., -1]).unsqueeze(-1)
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return idx.clamp_(max=probs.shape[-1] - 1)
 

