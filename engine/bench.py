@@ -108,11 +108,17 @@ def run_peer(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: Sp
             forwards[0] -= 1  # the prefill forward is not a decoding step
     finally:
         hook.remove()
+    # HF reports no acceptance counters; derive them from target forwards, assuming every round
+    # drafted K tokens (true with the constant schedule, except a capped last round).
+    rounds = forwards[0]
+    assisted = method == "hf-assisted" and rounds > 0
     return {
         "new_tokens": int(new),
         "tokens_per_s": new / elapsed,
-        "mean_acceptance_length": new / forwards[0] if method == "hf-assisted" and forwards[0] else None,
-        "target_forwards_per_token": forwards[0] / new if new else None,
+        "mean_acceptance_length": new / rounds if assisted else None,
+        "draft_acceptance_rate": (new - rounds) / (rounds * cfg.num_speculative_tokens) if assisted else None,
+        "target_forwards_per_token": rounds / new if new else None,
+        "mean_kl_per_token": None,
         "devices": f"cpu ({torch.get_num_threads()} threads)",
     }
 

@@ -121,14 +121,17 @@ def generate(
         context.extend(new_tokens)
         generated.extend(new_tokens)
         rejected = proposal.tokens[num_accepted] if num_accepted < k else None
+        # An EOS among the accepted drafts ends the generation there: drafts after it were never
+        # needed, so they count neither as drafted nor as accepted.
+        counted = min(k, len(new_tokens)) if finished and len(new_tokens) <= num_accepted else k
         round_event = RoundEvent(
             round_index=round_index,
             method=cfg.method,
             num_speculative_tokens=0 if cfg.method == "ar" else cfg.num_speculative_tokens,
-            num_draft_tokens=k,
-            num_accepted=min(num_accepted, len(new_tokens)),
+            num_draft_tokens=counted,
+            num_accepted=min(num_accepted, counted),
             num_emitted=len(new_tokens),
-            accepted_positions=tuple(bool(a) for a in result.accepted[0].tolist()),
+            accepted_positions=tuple(bool(a) for a in result.accepted[0, :counted].tolist()),
             rejected_token_id=rejected,
             rejected_text=None if rejected is None else tokenizer.decode([rejected]),
             kl=sum(e.kl for e in token_events),

@@ -123,11 +123,14 @@ def load_pair(name: str = "default", target: str | None = None, draft: str | Non
 
 
 def _load_hf_pair(target: str, draft: str | None) -> ModelPair:
+    # Read at call time (huggingface_hub reads its own flag only at import).
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+
     def load(name: str) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
         try:
-            return AutoTokenizer.from_pretrained(name, trust_remote_code=False), _load_dir(name)
+            return (AutoTokenizer.from_pretrained(name, trust_remote_code=False, local_files_only=offline),
+                    _load_dir(name, local_files_only=offline))
         except (OSError, ValueError) as err:
-            offline = os.environ.get("HF_HUB_OFFLINE") == "1"
             raise ValueError(
                 f"could not load {name!r}: not a local folder and not in the Hugging Face cache"
                 + (" (HF_HUB_OFFLINE=1)" if offline else ", and the hub could not be reached")

@@ -1,0 +1,26 @@
+import json
+
+from engine import bench
+
+
+def test_bench_writes_rows_for_every_method_and_peer(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    bench.main(["--pair", "tiny", "--methods", "ar,sps,tas,cactus", "--prompts", "1", "--repeats", "1",
+                "--max-new-tokens", "12", "--k", "3", "--json", str(out)])
+    rows = {r["method"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"ar", "sps", "tas", "cactus", "hf-ar", "hf-assisted"}
+    for row in rows.values():
+        for key in ("tokens_per_s", "new_tokens", "mean_acceptance_length", "draft_acceptance_rate",
+                    "target_forwards_per_token", "mean_kl_per_token", "devices"):
+            assert key in row, key
+        assert row["tokens_per_s"] > 0 and row["new_tokens"] > 0
+    assert rows["ar"]["target_forwards_per_token"] == 1.0
+    assert rows["sps"]["mean_kl_per_token"] == 0.0
+    assert 0.0 <= rows["sps"]["draft_acceptance_rate"] <= 1.0
+    assert "tokens_per_s" in capsys.readouterr().out
+
+
+def test_bench_rejects_unknown_methods():
+    import pytest
+    with pytest.raises(SystemExit, match="unknown method"):
+        bench.main(["--pair", "tiny", "--methods", "ar,medusa"])

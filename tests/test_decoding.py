@@ -1,0 +1,121 @@
+import threading
+from dataclasses import replace
+
+import pytest
+
+from engine.config import SpecConfig
+from engine.decoding import generate
+from engine.events import FinishEvent, RoundEvent, StartEvent, TokenEvent
+
+
+def run(pair, cfg, drafter="model", prompt="Once upon a time", eos=None, stop=None):
+    events = list(generate(pair.make_target(), None if cfg.method == "ar" else pair.make_drafter(drafter),
+                           pair.tokenizer, pair.encode_prompt(prompt), cfg,
+                           eos_token_ids=pair.eos_token_ids if eos is None else eos, stop=stop))
+    return events, events[-1]
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "self"])
+@pytest.mark.parametrize("method", ["sps", "tas", "cactus"])
+def test_greedy_speculative_equals_autoregressive(tiny_pair, method, drafter):
+    cfg = SpecConfig(method="ar", max_new_tokens=40, temperature=0.0)
+    _, ar = run(tiny_pair, cfg)
+    _, spec = run(tiny_pair, replace(cfg, method=method, num_speculative_tokens=3), drafter)
+    assert spec.token_ids == ar.token_ids
+    assert len(ar.token_ids) == 40
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_equal_to_target_accepts_every_token(tiny_pair, temperature):
+    cfg = SpecConfig(method="sps", num_speculative_tokens=4, max_new_tokens=41, temperature=temperature)
+    _, fin = run(tiny_pair, cfg, "self")
+    m = fin.metrics
+    assert m["num_draft_tokens"] >= 32
+    # fp32 drafting one token at a time vs verifying five at once can differ in the last bits;
+    # at temperature 1 a ratio of 1 - 1e-7 could (very rarely) reject, so allow one miss there.
+    assert m["num_accepted_tokens"] >= m["num_draft_tokens"] - (temperature > 0)
+    assert m["mean_acceptance_length"] >= 4.5
+
+
+def test_event_stream_is_consistent(tiny_pair):
+    cfg = SpecConfig(method="cactus", num_speculative_tokens=3, max_new_tokens=30, temperature=1.0, delta=0.5,
+                     inspect_top_n=5, seed=3)
+    events, fin = run(tiny_pair, cfg)
+    assert isinstance(events[0], StartEvent) and isinstance(fin, FinishEvent)
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    rounds = [e for e in events if isinstance(e, RoundEvent)]
+    assert [t.token_id for t in tokens] == list(fin.token_ids)
+    assert [t.index for t in tokens] == list(range(len(tokens)))
+    assert sum(r.num_emitted for r in rounds) == len(tokens) == fin.metrics["new_tokens"] == 30
+    assert fin.metrics["num_accepted_tokens"] == sum(t.status == "accepted" for t in tokens)
+    drafted = [r for r in rounds if r.num_draft_tokens]  # the last round may have room for no draft
+    assert fin.metrics["mean_acceptance_length"] == pytest.approx(1 + sum(r.num_accepted for r in drafted) / len(drafted))
+    assert {t.status for t in tokens} <= {"accepted", "recovered", "bonus"}
+    for r in rounds:
+        if r.num_accepted < r.num_draft_tokens:
+            assert r.rejected_token_id is not None
+    recovered = [t for t in tokens if t.status == "recovered"]
+    assert recovered and all(t.gamma is not None and t.acceptance_prob < 1 for t in recovered)
+    assert fin.metrics["kl_total"] == pytest.approx(sum(t.kl for t in tokens))
+    assert all(len(t.candidates) == 5 for t in tokens)
+    assert "".join(t.text for t in tokens) == fin.text
+
+
+def test_config_changes_apply_at_the_next_round(tiny_pair):
+    cfg = SpecConfig(method="sps", num_speculative_tokens=2, max_new_tokens=60, temperature=0.0)
+    target, drafter = tiny_pair.make_target(), tiny_pair.make_drafter("self")
+    seen = []
+    for event in generate(target, drafter, tiny_pair.tokenizer, tiny_pair.encode_prompt("live"), cfg):
+        if isinstance(event, RoundEvent):
+            seen.append(event)
+            if event.round_index == 1:
+                cfg.num_speculative_tokens = 5
+                cfg.method = "cactus"
+                cfg.delta = 0.3
+    assert seen[1].num_speculative_tokens == 2 and seen[1].method == "sps"
+    assert seen[2].num_speculative_tokens == 5 and seen[2].method == "cactus"
+    assert set(seen[2].config_changes) == {"num_speculative_tokens", "method", "delta"}
+    assert seen[3].config_changes == ()
+
+
+def test_stop_event_and_eos_end_generation(tiny_pair):
+    stop = threading.Event()
+    cfg = SpecConfig(method="sps", max_new_tokens=50)
+    gen = generate(tiny_pair.make_target(), tiny_pair.make_drafter(), tiny_pair.tokenizer,
+                   tiny_pair.encode_prompt("stop me"), cfg, stop=stop)
+    for event in gen:
+        if isinstance(event, RoundEvent):
+            stop.set()
+        if isinstance(event, FinishEvent):
+            assert event.reason == "stopped" and len(event.token_ids) < 50
+    _, ar = run(tiny_pair, SpecConfig(method="ar", max_new_tokens=20))
+    eos_token = ar.token_ids[5]
+    first = ar.token_ids.index(eos_token)
+    _, fin = run(tiny_pair, SpecConfig(method="sps", max_new_tokens=20), eos=frozenset({eos_token}))
+    assert fin.reason == "eos" and fin.token_ids == ar.token_ids[: first + 1]
+
+
+def test_prompt_lookup_drafter_finds_repeats():
+    from engine.drafters import lookup_continuation
+    assert lookup_continuation([1, 2, 3, 4, 9, 2, 3], 3, 3, 1) == [4, 9, 2]
+    assert lookup_continuation([5, 6, 7], 3, 3, 1) == []
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(num_speculative_tokens=0), "K"),
+    (dict(delta=-1.0), "delta"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(method="medusa"), "unknown method"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(top_p=0.0), "top_p"),
+])
+def test_bad_config_is_rejected_before_any_work(tiny_pair, change, match):
+    cfg = replace(SpecConfig(), **change)
+    with pytest.raises(ValueError, match=match):
+        next(generate(tiny_pair.make_target(), tiny_pair.make_drafter(), tiny_pair.tokenizer, [1, 2], cfg))
+
+
+def test_bad_prompt_ids_are_rejected(tiny_pair):
+    for ids in ([], [10_000]):
+        with pytest.raises(ValueError):
+            next(generate(tiny_pair.make_target(), tiny_pair.make_drafter(), tiny_pair.tokenizer, ids, SpecConfig()))

