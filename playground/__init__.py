@@ -1,0 +1,1 @@
+"""The Gradio playground (coming with the playground issue). The engine never imports this package."""
