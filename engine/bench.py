@@ -110,14 +110,15 @@ def run_peer(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: Sp
         hook.remove()
     # HF reports no acceptance counters; derive them from target forwards, assuming every round
     # drafted K tokens (true with the constant schedule, except a capped last round).
-    rounds = forwards[0]
+    # With the target drafting for itself the hook also counts draft forwards: no estimate then.
+    rounds = forwards[0] if method == "hf-ar" or drafter != "self" else 0
     assisted = method == "hf-assisted" and rounds > 0
     return {
         "new_tokens": int(new),
         "tokens_per_s": new / elapsed,
         "mean_acceptance_length": new / rounds if assisted else None,
         "draft_acceptance_rate": (new - rounds) / (rounds * cfg.num_speculative_tokens) if assisted else None,
-        "target_forwards_per_token": rounds / new if new else None,
+        "target_forwards_per_token": rounds / new if new and rounds else None,
         "mean_kl_per_token": None,
         "devices": f"cpu ({torch.get_num_threads()} threads)",
     }

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.acceptance import RandomDraws, cactus_h, verify
+from engine.acceptance import RandomDraws, VerifyResult, cactus_h, verify
 from engine.config import SpecConfig
 from engine.detokenize import IncrementalDetokenizer
 from engine.drafters import Drafter, Proposal
@@ -155,7 +155,7 @@ def generate(
     yield FinishEvent(reason, detok.text(), tuple(generated), metrics.summary(elapsed, prefill_seconds))
 
 
-def _token_events(cfg: SpecConfig, result, target_probs: torch.Tensor, proposal: Proposal, new_tokens: list[int],
+def _token_events(cfg: SpecConfig, result: VerifyResult, target_probs: torch.Tensor, proposal: Proposal, new_tokens: list[int],
                   num_accepted: int, first_index: int, round_index: int, detok: IncrementalDetokenizer,
                   tokenizer: PreTrainedTokenizerBase) -> list[TokenEvent]:
     """Per-token events; statistics are read once per round as Python lists (no per-token tensors)."""
@@ -190,7 +190,7 @@ def _token_events(cfg: SpecConfig, result, target_probs: torch.Tensor, proposal:
     return events
 
 
-def _candidates(cfg: SpecConfig, result, target_probs: torch.Tensor, proposal: Proposal, pos: int,
+def _candidates(cfg: SpecConfig, result: VerifyResult, target_probs: torch.Tensor, proposal: Proposal, pos: int,
                 tokenizer: PreTrainedTokenizerBase) -> tuple[Candidate, ...]:
     """Top candidates at one position with target, draft, h and residual probabilities."""
     t = target_probs[pos]

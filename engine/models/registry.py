@@ -7,7 +7,6 @@ fresh per-generation state (KV caches), so several generations can share one loa
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -145,7 +144,3 @@ def _load_hf_pair(target: str, draft: str | None) -> ModelPair:
     return ModelPair(f"{target}+{draft or 'ngram'}", target_tok, target_model, draft_model,
                      draft or "none", _eos_ids(target_tok, target_model))
 
-
-def split_pair_names(names: Sequence[str]) -> tuple[str, str | None]:
-    target, *rest = names
-    return target, (rest[0] if rest else None)
