@@ -39,36 +39,27 @@ class SamplingParams:
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Turn raw logits [..., V] into the float32 probabilities both models are sampled from."""
+    """Turn raw logits [..., V] into the float32 probabilities both models are sampled from.
+
+    With top-k, everything after one `topk` happens on k values and is scattered back, so the
+    per-row cost is one pass over the vocabulary; only top-p without top-k needs a full sort.
+    """
     logits = logits.float()
     if params.greedy:
-        probs = torch.zeros_like(logits)
-        return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     logits = logits / params.temperature
     vocab = logits.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if not 0 < params.top_k < vocab and params.top_p >= 1.0:
+        return torch.softmax(logits, dim=-1)
+    width = params.top_k if 0 < params.top_k < vocab else vocab
+    values, indices = torch.topk(logits, width, dim=-1)  # sorted, largest first
+    kept = torch.softmax(values, dim=-1)
     if params.top_p < 1.0:
-        logits = _top_p_filter(logits, params.top_p, params.top_k)
-    return torch.softmax(logits, dim=-1)
-
-
-def _top_p_filter(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
-    """Keep the smallest set of tokens whose mass reaches `top_p` (always at least one).
-
-    When top-k already ran, only its k survivors can be kept, so sorting those is enough; a full
-    49k-entry sort per row is the expensive path and is taken only without top-k.
-    """
-    vocab = logits.shape[-1]
-    width = top_k if 0 < top_k < vocab else vocab
-    sorted_logits, sorted_idx = torch.topk(logits, width, dim=-1)
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    drop_sorted = mass_before >= top_p
-    drop = torch.ones_like(logits, dtype=torch.bool) if width < vocab else torch.zeros_like(logits, dtype=torch.bool)
-    drop.scatter_(-1, sorted_idx, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+        # Keep the smallest prefix whose mass reaches top_p (always at least the first token).
+        mass_before = torch.cumsum(kept, dim=-1) - kept
+        kept = kept.masked_fill(mass_before >= params.top_p, 0.0)
+        kept = kept / kept.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(logits).scatter_(-1, indices, kept)
 
 
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -86,4 +77,4 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in nats over the last dimension (0 · log 0 = 0)."""
-    return -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1)
+    return torch.special.entr(probs).sum(dim=-1)
