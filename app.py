@@ -1,30 +1,36 @@
-"""Entry point: `python app.py [--pair tiny|default] [--method ...] [--prompt ...]`.
+"""Entry point: `python app.py [--pair tiny|default] [--host H] [--port P]` opens the playground.
 
-The browser playground is not built yet; until it lands, this streams one generation in the
-terminal, each token coloured by its verification status, followed by the run's metrics. It uses
-the same engine event stream the playground will consume.
+`--cli` keeps the terminal preview: one generation streamed with each token coloured by status.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from engine.config import DECODE_METHODS, SpecConfig
 from engine.decoding import generate
-from engine.events import FinishEvent, RoundEvent, StartEvent, TokenEvent
-from engine.models.registry import DRAFTER_KINDS, PAIRS, load_pair
+from engine.events import FinishEvent, StartEvent, TokenEvent
+from engine.models.registry import DRAFTER_KINDS, load_pair
+from playground.limits import ALLOWED_PAIRS, Limits, check_pair
 
 COLOURS = {"accepted": "\033[32m", "recovered": "\033[33m", "bonus": "\033[34m", "generated": ""}
 RESET = "\033[0m"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pair", default="default", choices=PAIRS)
+    ap.add_argument("--pair", default="default", choices=ALLOWED_PAIRS, help="model pair (allow-list)")
+    ap.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+    ap.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
+    ap.add_argument("--devices", default="auto", choices=("auto", "cpu"),
+                    help="auto: target cuda:0 and draft cuda:1 when two GPUs are present")
+    ap.add_argument("--concurrency", type=int, default=None, help="engine jobs at once (default: Limits)")
     ap.add_argument("--drafter", default="model", choices=DRAFTER_KINDS)
-    ap.add_argument("--method", default="sps", choices=DECODE_METHODS)
-    ap.add_argument("--prompt", default="Write a short poem about the sea.")
+    ap.add_argument("--cli", action="store_true", help="terminal preview instead of the browser playground")
+    ap.add_argument("--method", default="sps", choices=DECODE_METHODS, help="--cli only")
+    ap.add_argument("--prompt", default="Write a short poem about the sea.", help="--cli only")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--delta", type=float, default=1.0)
     ap.add_argument("--temperature", type=float, default=0.6)
@@ -32,39 +38,62 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def run_cli(args: argparse.Namespace) -> int:
     cfg = SpecConfig(method=args.method, num_speculative_tokens=args.k, delta=args.delta,
                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                      max_new_tokens=args.max_new_tokens, seed=args.seed)
+    cfg.validate()
+    pair = load_pair(args.pair)
+    drafter = None if args.method == "ar" else pair.make_drafter(args.drafter)
+    colour = sys.stdout.isatty()
+    print("Legend: " + " ".join(f"{COLOURS[s] if colour else ''}{s}{RESET if colour else ''}"
+                                for s in ("accepted", "recovered", "bonus")) + "\n")
+    for event in generate(pair.make_target(), drafter, pair.tokenizer, pair.encode_prompt(args.prompt), cfg,
+                          eos_token_ids=pair.eos_token_ids):
+        if isinstance(event, StartEvent):
+            print(f"[{event.target} | draft: {event.drafter} | {event.devices} | {event.prompt_tokens} "
+                  f"prompt tokens, prefill {event.prefill_seconds * 1e3:.0f} ms]\n")
+        elif isinstance(event, TokenEvent):
+            print(f"{COLOURS[event.status]}{event.text}{RESET}" if colour else event.text, end="", flush=True)
+        elif isinstance(event, FinishEvent):
+            m = event.metrics
+            print(f"\n\n[{event.reason}] {m['new_tokens']} tokens, {m['tokens_per_s']:.1f} tok/s, "
+                  f"mean acceptance length {m['mean_acceptance_length'] or 1:.2f}, "
+                  f"draft acceptance {m['draft_acceptance_rate'] or 0:.2f}, "
+                  f"KL/token {m['mean_kl_per_token']:.3f} nats")
+    return 0
+
+
+def run_playground(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from playground.app import launch
+    from playground.devices import place_pair
+    from playground.runner import PlaygroundContext, measure_ar_baseline
+
+    pair = load_pair(check_pair(args.pair))
+    devices = place_pair(pair, args.devices)
+    limits = Limits.for_device(gpu=devices.startswith("target cuda"))
+    if args.concurrency:
+        limits = replace(limits, concurrency=args.concurrency)
+    ctx = PlaygroundContext(pair_name=args.pair, pair=pair, limits=limits, drafter_kind=args.drafter, devices=devices)
+    print(f"specplay: pair {args.pair} on {devices}; measuring the AR baseline…", flush=True)
+    measure_ar_baseline(ctx, pair.encode_prompt("Write a short poem about the sea."))
+    print(f"specplay: {ctx.ar_baseline_note}", flush=True)
+    launch(ctx, args.host, args.port)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
-        cfg.validate()
-        pair = load_pair(args.pair)
-        prompt_ids = pair.encode_prompt(args.prompt)
-        drafter = None if args.method == "ar" else pair.make_drafter(args.drafter)
-        colour = sys.stdout.isatty()
-        print("The browser playground is coming; this is a terminal preview of the same event stream.")
-        print("Legend: " + " ".join(f"{COLOURS[s] if colour else ''}{s}{RESET if colour else ''}"
-                                    for s in ("accepted", "recovered", "bonus")) + "\n")
-        for event in generate(pair.make_target(), drafter, pair.tokenizer, prompt_ids, cfg,
-                              eos_token_ids=pair.eos_token_ids):
-            if isinstance(event, StartEvent):
-                print(f"[{event.target} | draft: {event.drafter} | {event.devices} | {event.prompt_tokens} "
-                      f"prompt tokens, prefill {event.prefill_seconds * 1e3:.0f} ms]\n")
-            elif isinstance(event, TokenEvent):
-                text = f"{COLOURS[event.status]}{event.text}{RESET}" if colour else event.text
-                print(text, end="", flush=True)
-            elif isinstance(event, RoundEvent):
-                continue
-            elif isinstance(event, FinishEvent):
-                m = event.metrics
-                print(f"\n\n[{event.reason}] {m['new_tokens']} tokens, {m['tokens_per_s']:.1f} tok/s, "
-                      f"mean acceptance length {m['mean_acceptance_length'] or 1:.2f}, "
-                      f"draft acceptance {m['draft_acceptance_rate'] or 0:.2f}, "
-                      f"KL/token {m['mean_kl_per_token']:.3f} nats")
+        return run_cli(args) if args.cli else run_playground(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,268 @@
+"""Plotly figure builders: pure functions of a `RunState` (no Gradio, no engine calls).
+
+Each figure is bounded (the last MAX_TOKENS tokens / MAX_ROUNDS rounds), because every `gr.Plot`
+update ships the whole figure as JSON; live-tuning changes are drawn as dotted vertical lines.
+Figures are built in one `go.Figure(data, layout)` call from plain dicts: plotly's incremental
+`add_*`/`update_*` calls and named templates cost 30+ ms per figure, too slow for live redraws.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+
+from playground.limits import SSD_DISABLED_REASON
+from playground.state import STATUS_COLOURS, RunState
+
+MAX_TOKENS = 400
+MAX_ROUNDS = 200
+GANTT_ROUNDS = 30
+HEIGHT = 270
+CHANGE_COLOUR = "#d62728"
+AXIS_STYLE = {"gridcolor": "#eaeaea", "zerolinecolor": "#cccccc", "linecolor": "#cccccc"}
+
+
+def figure(traces: Sequence[dict], title: str, x: str = "", y: str = "", *, shapes: Sequence[dict] = (),
+           annotations: Sequence[dict] = (), height: int = HEIGHT, xaxis: dict | None = None,
+           yaxis: dict | None = None, **layout) -> go.Figure:
+    """One light-styled figure from trace dicts (the shared look of every chart)."""
+    return go.Figure(data=list(traces), layout={
+        "template": None, "paper_bgcolor": "white", "plot_bgcolor": "white",
+        "font": {"family": "sans-serif", "size": 11, "color": "#333"},
+        "title": {"text": title, "font": {"size": 14}}, "height": height,
+        "margin": {"l": 50, "r": 20, "t": 40, "b": 40}, "uirevision": "keep",
+        "legend": {"orientation": "h", "y": -0.25, "font": {"size": 10}},
+        "xaxis": {**AXIS_STYLE, "title": {"text": x}, **(xaxis or {})},
+        "yaxis": {**AXIS_STYLE, "title": {"text": y}, **(yaxis or {})},
+        "shapes": list(shapes), "annotations": list(annotations), **layout,
+    })
+
+
+def _empty(title: str, message: str) -> go.Figure:
+    return figure([], title, annotations=[{"text": message, "showarrow": False, "x": 0.5, "y": 0.5, "xref": "paper",
+                                           "yref": "paper", "font": {"size": 13, "color": "#666"}}],
+                  xaxis={"visible": False}, yaxis={"visible": False})
+
+
+def _vline(x: float, label: str, colour: str = CHANGE_COLOUR) -> tuple[dict, dict]:
+    return ({"type": "line", "x0": x, "x1": x, "y0": 0, "y1": 1, "xref": "x", "yref": "paper",
+             "line": {"dash": "dot", "color": colour, "width": 1.5}},
+            {"x": x, "y": 1, "xref": "x", "yref": "paper", "text": label, "showarrow": False, "xanchor": "left",
+             "yanchor": "top", "font": {"size": 10, "color": colour}})
+
+
+def _hline(y: float, label: str, colour: str = "#555") -> tuple[dict, dict]:
+    return ({"type": "line", "x0": 0, "x1": 1, "y0": y, "y1": y, "xref": "paper", "yref": "y",
+             "line": {"dash": "dash", "color": colour, "width": 1.5}},
+            {"x": 1, "y": y, "xref": "paper", "yref": "y", "text": label, "showarrow": False, "xanchor": "right",
+             "yanchor": "bottom", "font": {"size": 10, "color": colour}})
+
+
+def change_marks(state: RunState, axis: str, lo: float = float("-inf")) -> tuple[list[dict], list[dict]]:
+    """Dotted vertical lines and labels where a live-tuning change took effect (axis: token | time)."""
+    shapes, notes = [], []
+    for change in state.changes:
+        x = change.token_index - 0.5 if axis == "token" else change.elapsed_seconds
+        if x >= lo:
+            shape, note = _vline(x, change.label)
+            shapes.append(shape)
+            notes.append(note)
+    return shapes, notes
+
+
+def acceptance_per_position(state: RunState) -> go.Figure:
+    """Per draft position: how often it was kept (after the first-rejection cut) and how often its own test passed."""
+    rounds = [r for r in state.rounds[-MAX_ROUNDS:] if r.num_draft_tokens]
+    if not rounds:
+        return _empty("Acceptance per draft position", "AR drafts nothing" if state.method == "ar"
+                      else "no drafted rounds yet")
+    width = max(r.num_draft_tokens for r in rounds)
+    drafted = [sum(1 for r in rounds if r.num_draft_tokens > i) for i in range(width)]
+    kept = [sum(1 for r in rounds if r.num_accepted > i) for i in range(width)]
+    passed = [sum(1 for r in rounds if len(r.accepted_positions) > i and r.accepted_positions[i]) for i in range(width)]
+    x = list(range(1, width + 1))
+    return figure([
+        {"type": "bar", "x": x, "y": [k / d if d else 0 for k, d in zip(kept, drafted)], "name": "kept",
+         "marker": {"color": STATUS_COLOURS["accepted"]}, "customdata": drafted,
+         "hovertemplate": "position %{x}: %{y:.0%} kept of %{customdata} drafted<extra></extra>"},
+        {"type": "scatter", "x": x, "y": [p / d if d else 0 for p, d in zip(passed, drafted)],
+         "mode": "markers+lines", "name": "passed its own test", "marker": {"color": "#555"},
+         "line": {"dash": "dot"}},
+    ], "Acceptance per draft position", "draft position", "rate",
+        yaxis={"range": [0, 1.05]}, xaxis={"dtick": 1})
+
+
+def acceptance_histogram(state: RunState) -> go.Figure:
+    """Rounds that accepted exactly j drafts (vLLM `acceptance_histogram`)."""
+    rounds = [r for r in state.rounds if r.num_draft_tokens]
+    if not rounds:
+        return _empty("Acceptance length", "AR drafts nothing" if state.method == "ar" else "no drafted rounds yet")
+    counts = [0] * (max(r.num_draft_tokens for r in rounds) + 1)
+    for r in rounds:
+        counts[r.num_accepted] += 1
+    mean = 1 + sum(r.num_accepted for r in rounds) / len(rounds)
+    return figure([{"type": "bar", "x": list(range(len(counts))), "y": counts,
+                    "marker": {"color": STATUS_COLOURS["bonus"]}}],
+                  f"Accepted drafts per round (mean acceptance length {mean:.2f})", "drafts accepted in the round",
+                  "rounds", xaxis={"dtick": 1})
+
+
+def _round_config(state: RunState, round_index: int) -> dict:
+    r = state.round_of(round_index)
+    return r.config if r is not None else state.config
+
+
+def divergence_budget(state: RunState) -> go.Figure:
+    """Per-token KL(h‖T) spent, its running total, the per-token budget δ and the exact induced divergence."""
+    tokens = state.tokens[-MAX_TOKENS:]
+    if not tokens:
+        return _empty("Divergence budget", "no tokens yet")
+    total = sum(t.kl for t in state.tokens[:len(state.tokens) - len(tokens)])
+    running = []
+    for t in tokens:
+        total += t.kl
+        running.append(total)
+    x = [t.index for t in tokens]
+    configs = [_round_config(state, t.round_index) for t in tokens]
+    traces = [{"type": "bar", "x": x, "y": [t.kl for t in tokens], "name": "KL(h‖T) per token",
+               "marker": {"color": "#8c564b"}}]
+    if any(c.get("method") == "cactus" for c in configs):
+        traces.append({"type": "scatter", "x": x, "y": [c.get("delta") for c in configs], "mode": "lines",
+                       "line": {"shape": "hv", "color": CHANGE_COLOUR, "dash": "dash"}, "name": "δ (per-token budget)"})
+    induced = [(i, state.induced[i]) for i in x if i in state.induced]
+    if induced:
+        exact = all(d.exact for _, d in induced)
+        traces.append({"type": "scatter", "x": [i for i, _ in induced], "y": [d.kl for _, d in induced],
+                       "mode": "markers", "name": "exact induced KL" if exact else "induced KL (top candidates)",
+                       "marker": {"symbol": "diamond", "size": 6, "color": "#9467bd"}})
+    traces.append({"type": "scatter", "x": x, "y": running, "mode": "lines", "name": "running total (right axis)",
+                   "yaxis": "y2", "line": {"color": "#333"}})
+    shapes, notes = change_marks(state, "token", x[0] - 1)
+    return figure(traces, "Divergence budget", "token index", "nats per token", shapes=shapes, annotations=notes,
+                  yaxis2={"overlaying": "y", "side": "right", "title": {"text": "total nats"}, "showgrid": False})
+
+
+def throughput(state: RunState, ar_baseline_tps: float | None, window: int = 5) -> go.Figure:
+    """Tokens/s over time (a moving window of rounds) with the measured AR baseline."""
+    rounds = state.rounds[-MAX_ROUNDS:]
+    if not rounds:
+        return _empty("Throughput", "no rounds yet")
+    xs, ys = [], []
+    for i, r in enumerate(rounds):
+        chunk = rounds[max(0, i - window + 1): i + 1]
+        seconds = sum(c.round_seconds for c in chunk)
+        xs.append(r.elapsed_seconds)
+        ys.append(sum(c.num_emitted for c in chunk) / seconds if seconds > 0 else 0.0)
+    shapes, notes = change_marks(state, "time", rounds[0].elapsed_seconds - rounds[0].round_seconds)
+    if ar_baseline_tps:
+        shape, note = _hline(ar_baseline_tps, f"AR baseline {ar_baseline_tps:.1f} tok/s")
+        shapes.append(shape)
+        notes.append(note)
+    return figure([{"type": "scatter", "x": xs, "y": ys, "mode": "lines+markers",
+                    "name": f"{state.method} (last {window} rounds)", "marker": {"size": 4},
+                    "line": {"color": STATUS_COLOURS["accepted"]}}],
+                  "Tokens/s over time", "seconds since start", "tokens/s", shapes=shapes, annotations=notes)
+
+
+def draft_verify_timeline(state: RunState) -> go.Figure:
+    """Gantt of the last rounds: when the draft and the target ran. Synchronous methods never overlap."""
+    rounds = state.rounds[-GANTT_ROUNDS:]
+    if not rounds:
+        return _empty("Draft / verify timeline", "no rounds yet")
+    traces = []
+    for lane, colour, offset_of, seconds_of in (
+        ("draft", "#17becf", lambda r: 0.0, lambda r: r.draft_seconds),
+        ("verify", "#bcbd22", lambda r: r.draft_seconds, lambda r: r.verify_seconds),
+    ):
+        traces.append({
+            "type": "bar", "orientation": "h", "name": lane, "y": [lane] * len(rounds),
+            "x": [seconds_of(r) * 1e3 for r in rounds], "marker": {"color": colour},
+            "base": [(r.elapsed_seconds - r.round_seconds + offset_of(r)) * 1e3 for r in rounds],
+            "customdata": [r.round_index for r in rounds],
+            "hovertemplate": "round %{customdata}: %{x:.1f} ms<extra>" + lane + "</extra>",
+        })
+    devices = state.start.devices if state.start else ""
+    return figure(traces, f"Draft / verify timeline (last {len(rounds)} rounds, {devices}; synchronous: no overlap)",
+                  "ms since start", "", barmode="overlay")
+
+
+def ssd_cache_hits(state: RunState) -> go.Figure:
+    """Speculation-cache hits per round: only SSD produces them, and the engine has no SSD yet."""
+    return _empty("SSD cache hits per round", SSD_DISABLED_REASON)
+
+
+def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
+    """Leviathan et al.: E[tokens per round] / (1 + K·c) with i.i.d. acceptance α and draft/target cost c."""
+    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (1 + k * cost_ratio)
+
+
+def _tokens_per_second(state: RunState) -> float | None:
+    if state.finish is not None:
+        return state.finish.metrics.get("decode_tokens_per_s")
+    seconds = sum(r.round_seconds for r in state.rounds)
+    return sum(r.num_emitted for r in state.rounds) / seconds if seconds > 0 else None
+
+
+def speedup_curve(state: RunState, ar_baseline_tps: float | None) -> go.Figure:
+    """Theoretical speedup against α for this run's K and measured cost ratio c, with the measured point."""
+    rounds = [r for r in state.rounds if r.num_draft_tokens]
+    if not rounds:
+        return _empty("Theoretical speedup", "needs a speculative run")
+    drafted = sum(r.num_draft_tokens for r in rounds)
+    alpha = sum(r.num_accepted for r in rounds) / drafted
+    k = rounds[-1].num_speculative_tokens or rounds[-1].num_draft_tokens
+    verify = sum(r.verify_seconds for r in rounds) / len(rounds)
+    cost_ratio = (sum(r.draft_seconds for r in rounds) / drafted) / verify if verify > 0 else 0.0
+    alphas = [i / 50 for i in range(51)]
+    traces = [{"type": "scatter", "x": alphas, "y": [expected_speedup(a, k, cost_ratio) for a in alphas],
+               "mode": "lines", "name": f"theory: K={k}, c={cost_ratio:.2f}", "line": {"color": "#7f7f7f"}}]
+    tps = _tokens_per_second(state)
+    if ar_baseline_tps and tps:
+        traces.append({"type": "scatter", "x": [alpha], "y": [tps / ar_baseline_tps], "mode": "markers",
+                       "name": f"measured (α={alpha:.2f}, {tps / ar_baseline_tps:.2f}×)",
+                       "marker": {"size": 12, "color": CHANGE_COLOUR, "symbol": "x"}})
+    shape, note = _hline(1.0, "AR", "#aaaaaa")
+    return figure(traces, "Speedup vs acceptance rate α (theory and this run)", "draft acceptance rate α",
+                  "speedup over AR", shapes=[shape], annotations=[note])
+
+
+def live_figures(state: RunState, ar_baseline_tps: float | None) -> tuple[go.Figure, ...]:
+    """Every live chart of the Generate tab, in layout order."""
+    return (
+        acceptance_per_position(state), acceptance_histogram(state), divergence_budget(state),
+        throughput(state, ar_baseline_tps), draft_verify_timeline(state), ssd_cache_hits(state),
+        speedup_curve(state, ar_baseline_tps),
+    )
+
+
+def pareto_front(points: Sequence[dict]) -> list[dict]:
+    """Points no other point beats on both axes (less divergence, more acceptance)."""
+    ordered = sorted(points, key=lambda p: (p["divergence"], -p["mean_acceptance_length"]))
+    front, best = [], float("-inf")
+    for p in ordered:
+        if p["mean_acceptance_length"] > best:
+            front.append(p)
+            best = p["mean_acceptance_length"]
+    return front
+
+
+def pareto_figure(points: Sequence[dict]) -> go.Figure:
+    """Sweep result: acceptance against divergence, one line per method, the Pareto frontier dotted."""
+    if not points:
+        return _empty("Acceptance vs divergence", "run a sweep")
+    colours = {"cactus": "#2ca02c", "tas": "#ff7f0e", "sps": "#1f77b4"}
+    traces = []
+    for method in dict.fromkeys(p["method"] for p in points):
+        rows = sorted((p for p in points if p["method"] == method), key=lambda p: p["divergence"])
+        traces.append({"type": "scatter", "x": [p["divergence"] for p in rows],
+                       "y": [p["mean_acceptance_length"] for p in rows], "mode": "lines+markers+text", "name": method,
+                       "text": [p["label"] for p in rows], "textposition": "top center", "textfont": {"size": 9},
+                       "marker": {"color": colours.get(method), "size": 9}})
+    frontier = pareto_front(points)
+    traces.append({"type": "scatter", "x": [p["divergence"] for p in frontier],
+                   "y": [p["mean_acceptance_length"] for p in frontier], "mode": "lines", "name": "Pareto frontier",
+                   "line": {"dash": "dot", "color": "#333"}})
+    return figure(traces, "Mean acceptance length vs induced divergence", "mean KL(induced ‖ target) per token, nats",
+                  "mean acceptance length", height=380)

@@ -1,0 +1,163 @@
+"""Run state: the reducer that folds the engine's events into what the UI draws.
+
+One `RunState` per run (per session, per compared method). Chart builders and the token inspector
+are pure functions of it, so they can be tested without a browser and redrawn at any rate. The
+exact induced-distribution divergence is computed here, once per round, from the candidates the
+engine attaches to each token (exact when they carry all the probability mass).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.acceptance import induced_distribution, kl_divergence
+from engine.events import FinishEvent, RoundEvent, StartEvent, TokenEvent
+
+MASS_TOLERANCE = 1e-3  # candidates within this of total mass 1 count as the full distribution
+
+# Colours shared by the token view, the legend and every chart.
+STATUS_COLOURS = {
+    "accepted": "#2ca02c",
+    "recovered": "#ff7f0e",
+    "bonus": "#1f77b4",
+    "generated": "#9e9e9e",
+}
+STATUS_MEANING = {
+    "accepted": "draft token kept by the rule",
+    "recovered": "drawn from the residual after a rejection",
+    "bonus": "drawn from the target after all K drafts were kept",
+    "generated": "plain autoregressive token",
+}
+EMPTY_TOKEN_TEXT = "·"  # a byte that is not yet a whole character still gets a clickable cell
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """A live-tuning change, as the engine applied it (at the start of `round_index`)."""
+
+    round_index: int
+    token_index: int  # first token produced under the new settings
+    elapsed_seconds: float
+    changes: dict  # field -> (old, new)
+
+    @property
+    def label(self) -> str:
+        names = {"delta": "δ", "num_speculative_tokens": "K", "temperature": "T", "top_p": "top-p",
+                 "top_k": "top-k", "posterior_threshold": "ε", "posterior_alpha": "α", "method": "method"}
+        return ", ".join(f"{names.get(k, k)} {old}→{new}" for k, (old, new) in self.changes.items())
+
+
+@dataclass(frozen=True)
+class InducedDivergence:
+    kl: float  # KL(induced || target) at a tested position, nats
+    exact: bool  # False when the candidates missed some mass (then it is over the kept candidates)
+
+
+@dataclass
+class RunState:
+    method: str = ""
+    config: dict = field(default_factory=dict)
+    start: StartEvent | None = None
+    tokens: list[TokenEvent] = field(default_factory=list)
+    rounds: list[RoundEvent] = field(default_factory=list)
+    changes: list[ConfigChange] = field(default_factory=list)
+    induced: dict[int, InducedDivergence] = field(default_factory=dict)  # token index -> divergence
+    finish: FinishEvent | None = None
+    error: str = ""
+    started_at: float = field(default_factory=time.time)
+    version: int = 0  # bumped by every event, so redraws can be skipped when nothing changed
+    _pending: list[TokenEvent] = field(default_factory=list)
+
+    @property
+    def running(self) -> bool:
+        return self.start is not None and self.finish is None and not self.error
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.token_id for t in self.tokens]
+
+    def round_of(self, round_index: int) -> RoundEvent | None:
+        return self.rounds[round_index] if 0 <= round_index < len(self.rounds) else None
+
+
+def reduce(state: RunState, event: StartEvent | TokenEvent | RoundEvent | FinishEvent) -> RunState:
+    """Fold one engine event into `state` (in place; returned for chaining)."""
+    if isinstance(event, StartEvent):
+        state.start = event
+    elif isinstance(event, TokenEvent):
+        state.tokens.append(event)
+        state._pending.append(event)
+    elif isinstance(event, RoundEvent):
+        if event.config_changes:
+            previous = state.rounds[-1].config if state.rounds else state.config
+            first = state._pending[0].index if state._pending else len(state.tokens)
+            state.changes.append(ConfigChange(
+                event.round_index, first, event.elapsed_seconds - event.round_seconds,
+                {name: (previous.get(name), event.config.get(name)) for name in event.config_changes},
+            ))
+        for token in state._pending:
+            divergence = induced_divergence(token, event.config)
+            if divergence is not None:
+                state.induced[token.index] = divergence
+        state._pending.clear()
+        state.rounds.append(event)
+    elif isinstance(event, FinishEvent):
+        state.finish = event
+    state.version += 1
+    return state
+
+
+def induced_divergence(token: TokenEvent, config: dict) -> InducedDivergence | None:
+    """KL(induced || target) of the first-token distribution at a tested position.
+
+    Uses `engine.acceptance.induced_distribution` on the candidates' target and draft
+    probabilities (renormalised when they do not cover all the mass, then flagged approximate).
+    """
+    if token.draft_prob is None or not token.candidates or config.get("method") not in ("sps", "tas", "cactus"):
+        return None
+    target = torch.tensor([c.target_prob for c in token.candidates], dtype=torch.float64)
+    draft = torch.tensor([c.draft_prob for c in token.candidates], dtype=torch.float64)
+    t_mass, d_mass = float(target.sum()), float(draft.sum())
+    if t_mass <= 0 or d_mass <= 0:
+        return None
+    exact = abs(t_mass - 1) < MASS_TOLERANCE and abs(d_mass - 1) < MASS_TOLERANCE
+    target, draft = target / t_mass, draft / d_mass
+    induced = induced_distribution(config["method"], target, draft, delta=float(config.get("delta", 0.0)),
+                                   posterior_threshold=float(config.get("posterior_threshold", 0.09)),
+                                   posterior_alpha=float(config.get("posterior_alpha", 0.3)))
+    return InducedDivergence(max(kl_divergence(induced, target), 0.0), exact)
+
+
+def highlighted_tokens(state: RunState) -> list[tuple[str, str | None]]:
+    """`gr.HighlightedText` value: one (text, status) cell per generated token, in order.
+
+    Cells map 1:1 to `state.tokens`, so the index a click reports is the token index.
+    """
+    return [(t.text or EMPTY_TOKEN_TEXT, t.status) for t in state.tokens]
+
+
+def summary(state: RunState) -> dict:
+    """The numbers a run is judged by (vLLM metric names), live while it runs and final after."""
+    if state.finish is not None:
+        metrics = dict(state.finish.metrics)
+    else:
+        drafted = sum(r.num_draft_tokens for r in state.rounds)
+        accepted = sum(r.num_accepted for r in state.rounds)
+        drafts = sum(1 for r in state.rounds if r.num_draft_tokens)
+        elapsed = state.rounds[-1].elapsed_seconds if state.rounds else 0.0
+        metrics = {
+            "new_tokens": len(state.tokens),
+            "num_rounds": len(state.rounds),
+            "draft_acceptance_rate": accepted / drafted if drafted else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "kl_total": sum(r.kl for r in state.rounds),
+            "elapsed_seconds": elapsed,
+            "tokens_per_s": len(state.tokens) / elapsed if elapsed > 0 else None,
+        }
+    exact = [d.kl for d in state.induced.values()]
+    metrics["mean_induced_kl"] = sum(exact) / len(exact) if exact else None
+    metrics["induced_kl_exact"] = all(d.exact for d in state.induced.values()) if exact else None
+    return metrics

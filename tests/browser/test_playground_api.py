@@ -1,0 +1,113 @@
+"""API-level tests with gradio_client against the running app, and the 8-session load test."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from gradio_client import Client
+
+from engine.config import SpecConfig
+from engine.decoding import generate
+from engine.events import FinishEvent
+from engine.models import load_pair
+
+# prompt, method, K, δ, temperature, top-p, top-k, ε, α, max new tokens, seed
+ARGS = ("The sea is", "cactus", 4, 1.0, 0.8, 0.95, 40, 0.09, 0.3, 24, 5)
+
+
+def _client(url: str) -> Client:
+    return Client(url, verbose=False)
+
+
+def _direct(prompt: str, method: str, seed: int, max_new: int) -> list[int]:
+    """The same request straight through the engine, in this process: the reference output."""
+    pair = load_pair("tiny")
+    cfg = SpecConfig(method=method, num_speculative_tokens=4, delta=1.0, temperature=0.8, top_p=0.95, top_k=40,
+                     max_new_tokens=max_new, seed=seed)
+    drafter = None if method == "ar" else pair.make_drafter("model")
+    finish = [e for e in generate(pair.make_target(), drafter, pair.tokenizer, pair.encode_prompt(prompt), cfg,
+                                  eos_token_ids=pair.eos_token_ids) if isinstance(e, FinishEvent)][0]
+    return list(finish.token_ids)
+
+
+def test_generate_endpoint_returns_coloured_tokens_and_metrics(playground_url):
+    tokens, status, details, _ = _client(playground_url).predict(*ARGS, api_name="/generate")
+    assert details["finish_reason"] in ("max_new_tokens", "eos")
+    assert len(tokens) == len(details["token_ids"]) > 0
+    assert {t["class_or_confidence"] for t in tokens} <= {"accepted", "recovered", "bonus"}
+    assert details["metrics"]["mean_acceptance_length"] >= 1
+    assert details["metrics"]["induced_kl_exact"] is True  # tiny vocab: candidates cover everything
+    assert "finished" in status
+    assert details["token_ids"] == _direct("The sea is", "cactus", 5, 24)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({0: "   "}, "prompt is empty"),
+    ({2: 99}, "greater than maximum value 16|K must be between"),  # Gradio's own range check, or ours
+    ({9: 100000}, "greater than maximum|max new tokens must be between"),
+    ({1: "ssd"}, "SSD|not in the list of choices"),
+    ({4: -1}, "less than minimum|temperature"),
+])
+def test_bad_input_gets_a_clear_message(playground_url, bad, message):
+    args = list(ARGS)
+    for i, v in bad.items():
+        args[i] = v
+    with pytest.raises(Exception, match=message):
+        _client(playground_url).predict(*args, api_name="/generate")
+
+
+def test_live_delta_change_and_stop(playground_url):
+    client = _client(playground_url)
+    args = list(ARGS)
+    args[9] = 256
+    job = client.submit(*args, api_name="/generate")
+    time.sleep(1.0)  # let a few rounds run
+    client.predict(0.3, api_name="/set_delta")
+    time.sleep(0.5)
+    client.predict(api_name="/stop")
+    _, status, details, _ = job.result(timeout=60)
+    assert details["finish_reason"] == "stopped", status
+    assert len(details["token_ids"]) < 256
+    changes = [c for c in details["config_changes"] if "delta" in c["changes"]]
+    assert changes and changes[0]["changes"]["delta"] == [1.0, 0.3]
+    deadline = time.monotonic() + 5
+    while '"active_runs": 0' not in client.predict(api_name="/health"):
+        assert time.monotonic() < deadline, "the engine kept running after Stop"
+        time.sleep(0.1)
+
+
+def test_compare_endpoint_shares_draws_and_exports(playground_url):
+    out = _client(playground_url).predict("Once upon", ["sps", "cactus"], 4, 0.0, 0.8, 0.95, 40, 0.09, 0.3, 16, 2,
+                                          api_name="/compare")
+    status, table, csv_path, json_path = out[-4:]
+    assert "done" in status
+    rows = {r[0]: r for r in table["data"]}
+    first_difference = table["headers"].index("first_difference")
+    assert rows["cactus"][first_difference] is None  # δ = 0: Cactus is SpS, draw for draw
+    assert open(csv_path).read().startswith("method,index,token_id")
+    assert '"methods"' in open(json_path).read()
+
+
+def test_eight_concurrent_sessions_no_errors_no_cross_talk(playground_url):
+    requests = [(f"prompt number {i}: tell me about {w}", m, 100 + i)
+                for i, (w, m) in enumerate(zip(["cats", "dogs", "rain", "tea", "maps", "jazz", "salt", "ice"],
+                                               ["sps", "tas", "cactus", "ar"] * 2))]
+
+    def one(request):
+        prompt, method, seed = request
+        client = _client(playground_url)
+        _, _, details, _ = client.predict(prompt, method, 4, 1.0, 0.8, 0.95, 40, 0.09, 0.3, 24, seed,
+                                          api_name="/generate")
+        return details
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(one, requests))
+    elapsed = time.monotonic() - started
+    for (prompt, method, seed), details in zip(requests, results):
+        assert details["error"] is None
+        assert details["method"] == method
+        assert details["token_ids"] == _direct(prompt, method, seed, 24), (prompt, method, seed)
+    assert elapsed < 90

@@ -1,0 +1,101 @@
+"""The playground in headless Chromium (Debian's, through Playwright; no browser download).
+
+One user journey on the tiny pair: type a prompt, generate, see coloured tokens and non-empty
+charts, change δ mid-generation and see the change marked, open the token inspector, run a
+comparison. Screenshots go to artifacts/ (the README's comes from here).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+sync_api = pytest.importorskip("playwright.sync_api")
+
+CHROMIUM = os.environ.get("SPECPLAY_CHROMIUM", "/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "artifacts"
+README_SHOT = ROOT / "docs" / "playground.png"
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"needs Debian chromium at {CHROMIUM}")
+
+
+@pytest.fixture
+def page(playground_url):
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(30_000)
+        page.goto(playground_url)
+        page.wait_for_selector("#generate-btn")
+        yield page
+        browser.close()
+
+
+def _traces(page, elem_id: str) -> int:
+    """Number of Plotly traces drawn in a gr.Plot (0 when empty or not rendered)."""
+    return page.evaluate(f"""() => {{
+        const el = document.querySelector('#{elem_id} .js-plotly-plot');
+        return el && el.data ? el.data.length : 0; }}""")
+
+
+def test_generate_live_tune_inspect_and_compare(page):
+    ARTIFACTS.mkdir(exist_ok=True)
+    expect = sync_api.expect
+    page.fill("#prompt textarea", "Tell me a story about a lighthouse.")
+    page.get_by_label("Cactus (KL budget)").check()
+    max_new = page.get_by_label("number input for max new tokens")
+    max_new.fill("256")
+    max_new.press("Enter")
+    page.click("#generate-btn")
+
+    # Tokens stream in, coloured by status, while the engine still runs.
+    expect(page.locator("#status")).to_contain_text("generating", timeout=30_000)
+    page.wait_for_function("document.querySelectorAll('#tokens .token').length > 5")
+    delta = page.get_by_label("number input for δ (Cactus KL budget per token, nats)")
+    delta.fill("0.3")
+    delta.press("Enter")
+    expect(page.locator("#live-msg")).to_contain_text("delta = 0.3")
+    expect(page.locator("#status")).to_contain_text("finished", timeout=60_000)
+
+    colours = page.evaluate("""() => [...document.querySelectorAll('#tokens .token')]
+        .map(e => getComputedStyle(e).backgroundColor)""")
+    assert len(colours) > 20 and len(set(colours)) >= 2, colours[:5]  # at least two statuses, coloured
+    page.wait_for_function("document.querySelector('#chart-divergence .js-plotly-plot') !== null")
+    for chart in ("chart-per-position", "chart-histogram", "chart-divergence", "chart-throughput",
+                  "chart-timeline", "chart-speedup"):
+        assert _traces(page, chart) > 0, chart
+    # The δ change is marked where it took effect.
+    expect(page.locator("#chart-divergence")).to_contain_text(re.compile("δ 1.0→0.3"))
+    page.screenshot(path=str(ARTIFACTS / "playground-generate.png"), full_page=True)
+
+    # Token inspector: click a token, get probability bars and the numbers.
+    page.locator("#tokens .token").nth(3).click()
+    expect(page.locator("#inspector-md")).to_contain_text("target prob T(x)", timeout=10_000)
+    page.wait_for_function("(() => { const e = document.querySelector('#inspector-plot .js-plotly-plot');"
+                           " return e && e.data && e.data.length >= 2; })()")
+    page.locator("#inspector-plot").scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "playground-inspector.png"))
+    page.set_viewport_size({"width": 1400, "height": 1500})
+    page.evaluate("window.scrollTo(0, 0)")
+    page.screenshot(path=str(ARTIFACTS / "playground-readme.png"))
+
+    # Compare tab: the same prompt through SpS, TAS and Cactus.
+    page.get_by_role("tab", name="Compare").click()
+    page.fill("#c-prompt textarea", "Once upon a time")
+    page.click("#compare-btn")
+    expect(page.locator("#c-status")).to_contain_text("done", timeout=60_000)
+    table = page.locator("#c-table").inner_text()
+    for method in ("sps", "tas", "cactus"):
+        assert method in table
+    assert page.locator("#c-slot-0 .token").count() > 0
+    page.screenshot(path=str(ARTIFACTS / "playground-compare.png"), full_page=True)
+    README_SHOT.parent.mkdir(exist_ok=True)
+    if os.environ.get("SPECPLAY_UPDATE_README_SHOT"):
+        shutil.copy(ARTIFACTS / "playground-readme.png", README_SHOT)
