@@ -98,7 +98,9 @@ def generate(
         verify_seconds = target.forward_seconds - verify_before
 
         target_probs = logits_to_probs(logits, params)
-        draft_tokens = torch.tensor([proposal.tokens], dtype=torch.long)
+        # The draft may live on another device; the rule runs where the target's probabilities are.
+        proposal = Proposal(proposal.tokens, proposal.probs.to(target_probs.device))
+        draft_tokens = torch.tensor([proposal.tokens], dtype=torch.long, device=target_probs.device)
         result = verify(
             "sps" if cfg.method == "ar" else cfg.method,
             target_probs.unsqueeze(0), proposal.probs.unsqueeze(0), draft_tokens,
@@ -129,6 +131,7 @@ def generate(
             method=cfg.method,
             num_speculative_tokens=0 if cfg.method == "ar" else cfg.num_speculative_tokens,
             num_draft_tokens=counted,
+            draft_token_ids=tuple(proposal.tokens[:counted]),
             num_accepted=min(num_accepted, counted),
             num_emitted=len(new_tokens),
             accepted_positions=tuple(bool(a) for a in result.accepted[0, :counted].tolist()),
@@ -198,7 +201,7 @@ def _candidates(cfg: SpecConfig, result: VerifyResult, target_probs: torch.Tenso
     d = proposal.probs[pos] if tested else torch.zeros_like(t)
     h = t
     if tested and cfg.method == "cactus":
-        h = cactus_h(t, torch.tensor(proposal.tokens[pos]), result.gamma[0, pos])
+        h = cactus_h(t, torch.tensor(proposal.tokens[pos], device=t.device), result.gamma[0, pos])
     residual = (h - d).clamp_min(0.0)
     residual = residual / residual.sum().clamp_min(1e-30)
     top = torch.topk(t + d, min(cfg.inspect_top_n, t.numel())).indices.tolist()

@@ -55,6 +55,7 @@ class RoundEvent:
     method: str
     num_speculative_tokens: int  # K requested by the config this round
     num_draft_tokens: int  # tokens actually drafted (a prompt-lookup draft may find fewer)
+    draft_token_ids: tuple[int, ...]  # what the draft proposed, including any rejected tail
     num_accepted: int
     num_emitted: int
     accepted_positions: tuple[bool, ...]  # per drafted position: passed its test (before the cut)
