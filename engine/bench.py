@@ -24,7 +24,8 @@ from transformers import GenerationConfig
 from engine.config import DECODE_METHODS, SpecConfig
 from engine.decoding import describe_device, generate
 from engine.events import FinishEvent
-from engine.models.registry import DRAFTER_KINDS, PAIRS, ModelPair, load_pair
+from engine.models.fast_llama import WEIGHT_DTYPES
+from engine.models.registry import BACKENDS, DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS, PAIRS, ModelPair, load_pair
 from engine.prompts import held_out_prompts
 
 PEER_METHODS = ("hf-ar", "hf-assisted")
@@ -35,11 +36,11 @@ TIMED_KEYS = ("tokens_per_s", "decode_tokens_per_s", "overhead_fraction", "draft
 
 
 def run_engine(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: SpecConfig, drafter: str,
-               ignore_eos: bool) -> dict:
+               ignore_eos: bool, backend: str = "auto", weight_dtype: str = DEFAULT_FAST_WEIGHTS) -> dict:
     """Run one method over all prompts; return summed counters and derived rates."""
     totals = dict.fromkeys(SUM_KEYS, 0.0)
-    target = pair.make_target()
-    draft = None if method == "ar" else pair.make_drafter(drafter)
+    target = pair.make_target(backend, weight_dtype)
+    draft = None if method == "ar" else pair.make_drafter(drafter, backend, weight_dtype)
     eos = frozenset() if ignore_eos else pair.eos_token_ids
     for i, ids in enumerate(prompts):
         run_cfg = replace(cfg, method=method, seed=cfg.seed + i)
@@ -47,7 +48,7 @@ def run_engine(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: 
                       if isinstance(e, FinishEvent))
         for key in SUM_KEYS:
             totals[key] += finish.metrics[key]
-    return _derive(totals, describe_device(target))
+    return _derive(totals, describe_device(target)) | {"backend": target.backend_label}
 
 
 def _derive(t: dict, devices: str) -> dict:
@@ -69,7 +70,7 @@ def _derive(t: dict, devices: str) -> dict:
 
 
 def run_peer(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: SpecConfig, drafter: str,
-             ignore_eos: bool) -> dict:
+             ignore_eos: bool, backend: str = "", weight_dtype: str = "") -> dict:
     """Hugging Face `generate()` on the same weights: plain, or assisted with the same draft and K."""
     model = pair.target_model
     forwards = [0]
@@ -121,6 +122,7 @@ def run_peer(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: Sp
         "target_forwards_per_token": rounds / new if new and rounds else None,
         "mean_kl_per_token": None,
         "devices": f"cpu ({torch.get_num_threads()} threads)",
+        "backend": "transformers generate()",
     }
 
 
@@ -130,6 +132,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target", help="Hugging Face target name/path (instead of --pair)")
     ap.add_argument("--draft", help="Hugging Face draft name/path (with --target)")
     ap.add_argument("--drafter", default="model", choices=DRAFTER_KINDS)
+    ap.add_argument("--backend", default="auto", choices=BACKENDS,
+                    help="our engine's model backend (auto = fast where supported); peers always use transformers")
+    ap.add_argument("--weight-dtype", default=DEFAULT_FAST_WEIGHTS, choices=WEIGHT_DTYPES,
+                    help="weight format of the fast backend (float32 is the reference)")
     ap.add_argument("--methods", default="ar,sps,tas,cactus", help=f"comma list of {', '.join(DECODE_METHODS)}")
     ap.add_argument("--peers", default="hf-ar,hf-assisted", help="comma list of hf-ar, hf-assisted ('' for none)")
     ap.add_argument("--k", type=int, default=4)
@@ -177,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     for rep in range(args.repeats):
         for m in methods + peers:
             runner = run_peer if m in PEER_METHODS else run_engine
-            runs[m].append(runner(pair, m, prompts, cfg, args.drafter, args.ignore_eos))
+            runs[m].append(runner(pair, m, prompts, cfg, args.drafter, args.ignore_eos, args.backend,
+                                  args.weight_dtype))
             print(f"[bench] repeat {rep + 1}/{args.repeats} {m}: {runs[m][-1]['tokens_per_s']:.2f} tok/s",
                   file=sys.stderr, flush=True)
 
@@ -198,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     table = pd.DataFrame(rows).set_index("method")
     cols = ["tokens_per_s", "speedup_vs_ar", "new_tokens", "mean_acceptance_length", "draft_acceptance_rate",
             "target_forwards_per_token", "mean_kl_per_token", "overhead_fraction", "draft_ms_per_token",
-            "verify_ms_per_round", "devices"]
+            "verify_ms_per_round", "backend", "devices"]
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
         print(table[[c for c in cols if c in table.columns]])
     if args.json:

@@ -68,7 +68,7 @@ def generate(
         target.forward(context[:-1])
     prefill_seconds = time.perf_counter() - start
     yield StartEvent(len(context), prefill_seconds, target.name, drafter.name if drafter else "none",
-                     target.backend, describe_device(target))
+                     target.backend_label, describe_device(target))
 
     metrics = SpecMetrics()
     previous = cfg

@@ -18,6 +18,12 @@ def default_pair():
     return load_pair("default")
 
 
+@pytest.fixture(params=["transformers", "fast"])
+def backend(request):
+    """Engine tests run on both model backends: the transformers one and the fast static-cache one."""
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

@@ -8,8 +8,9 @@ from engine.decoding import generate
 from engine.events import FinishEvent, RoundEvent, StartEvent, TokenEvent
 
 
-def run(pair, cfg, drafter="model", prompt="Once upon a time", eos=None, stop=None):
-    events = list(generate(pair.make_target(), None if cfg.method == "ar" else pair.make_drafter(drafter),
+def run(pair, cfg, drafter="model", prompt="Once upon a time", eos=None, stop=None, backend="auto"):
+    draft = None if cfg.method == "ar" else pair.make_drafter(drafter, backend)
+    events = list(generate(pair.make_target(backend), draft,
                            pair.tokenizer, pair.encode_prompt(prompt), cfg,
                            eos_token_ids=pair.eos_token_ids if eos is None else eos, stop=stop))
     return events, events[-1]
@@ -17,18 +18,18 @@ def run(pair, cfg, drafter="model", prompt="Once upon a time", eos=None, stop=No
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "self"])
 @pytest.mark.parametrize("method", ["sps", "tas", "cactus"])
-def test_greedy_speculative_equals_autoregressive(tiny_pair, method, drafter):
+def test_greedy_speculative_equals_autoregressive(tiny_pair, method, drafter, backend):
     cfg = SpecConfig(method="ar", max_new_tokens=40, temperature=0.0)
-    _, ar = run(tiny_pair, cfg)
-    _, spec = run(tiny_pair, replace(cfg, method=method, num_speculative_tokens=3), drafter)
+    _, ar = run(tiny_pair, cfg, backend=backend)
+    _, spec = run(tiny_pair, replace(cfg, method=method, num_speculative_tokens=3), drafter, backend=backend)
     assert spec.token_ids == ar.token_ids
     assert len(ar.token_ids) == 40
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_draft_equal_to_target_accepts_every_token(tiny_pair, temperature):
+def test_draft_equal_to_target_accepts_every_token(tiny_pair, temperature, backend):
     cfg = SpecConfig(method="sps", num_speculative_tokens=4, max_new_tokens=41, temperature=temperature)
-    _, fin = run(tiny_pair, cfg, "self")
+    _, fin = run(tiny_pair, cfg, "self", backend=backend)
     m = fin.metrics
     assert m["num_draft_tokens"] >= 32
     # fp32 drafting one token at a time vs verifying five at once can differ in the last bits;
@@ -37,10 +38,10 @@ def test_draft_equal_to_target_accepts_every_token(tiny_pair, temperature):
     assert m["mean_acceptance_length"] >= 4.5
 
 
-def test_event_stream_is_consistent(tiny_pair):
+def test_event_stream_is_consistent(tiny_pair, backend):
     cfg = SpecConfig(method="cactus", num_speculative_tokens=3, max_new_tokens=30, temperature=1.0, delta=0.5,
                      inspect_top_n=5, seed=3)
-    events, fin = run(tiny_pair, cfg)
+    events, fin = run(tiny_pair, cfg, backend=backend)
     assert isinstance(events[0], StartEvent) and isinstance(fin, FinishEvent)
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     rounds = [e for e in events if isinstance(e, RoundEvent)]
@@ -61,9 +62,9 @@ def test_event_stream_is_consistent(tiny_pair):
     assert "".join(t.text for t in tokens) == fin.text
 
 
-def test_config_changes_apply_at_the_next_round(tiny_pair):
+def test_config_changes_apply_at_the_next_round(tiny_pair, backend):
     cfg = SpecConfig(method="sps", num_speculative_tokens=2, max_new_tokens=60, temperature=0.0)
-    target, drafter = tiny_pair.make_target(), tiny_pair.make_drafter("self")
+    target, drafter = tiny_pair.make_target(backend), tiny_pair.make_drafter("self", backend)
     seen = []
     for event in generate(target, drafter, tiny_pair.tokenizer, tiny_pair.encode_prompt("live"), cfg):
         if isinstance(event, RoundEvent):
@@ -78,20 +79,20 @@ def test_config_changes_apply_at_the_next_round(tiny_pair):
     assert seen[3].config_changes == ()
 
 
-def test_stop_event_and_eos_end_generation(tiny_pair):
+def test_stop_event_and_eos_end_generation(tiny_pair, backend):
     stop = threading.Event()
     cfg = SpecConfig(method="sps", max_new_tokens=50)
-    gen = generate(tiny_pair.make_target(), tiny_pair.make_drafter(), tiny_pair.tokenizer,
+    gen = generate(tiny_pair.make_target(backend), tiny_pair.make_drafter("model", backend), tiny_pair.tokenizer,
                    tiny_pair.encode_prompt("stop me"), cfg, stop=stop)
     for event in gen:
         if isinstance(event, RoundEvent):
             stop.set()
         if isinstance(event, FinishEvent):
             assert event.reason == "stopped" and len(event.token_ids) < 50
-    _, ar = run(tiny_pair, SpecConfig(method="ar", max_new_tokens=20))
+    _, ar = run(tiny_pair, SpecConfig(method="ar", max_new_tokens=20), backend=backend)
     eos_token = ar.token_ids[5]
     first = ar.token_ids.index(eos_token)
-    _, fin = run(tiny_pair, SpecConfig(method="sps", max_new_tokens=20), eos=frozenset({eos_token}))
+    _, fin = run(tiny_pair, SpecConfig(method="sps", max_new_tokens=20), eos=frozenset({eos_token}), backend=backend)
     assert fin.reason == "eos" and fin.token_ids == ar.token_ids[: first + 1]
 
 
@@ -119,3 +120,8 @@ def test_bad_prompt_ids_are_rejected(tiny_pair):
     for ids in ([], [10_000]):
         with pytest.raises(ValueError):
             next(generate(tiny_pair.make_target(), tiny_pair.make_drafter(), tiny_pair.tokenizer, ids, SpecConfig()))
+
+
+def test_unknown_backend_is_a_clear_error(tiny_pair):
+    with pytest.raises(ValueError, match="unknown backend"):
+        tiny_pair.make_target("tpu")

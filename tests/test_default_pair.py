@@ -13,8 +13,9 @@ from engine.models.embedded import embedded_target_dir
 pytestmark = pytest.mark.slow
 
 
-def finish(pair, cfg, drafter="model", prompt="What is the capital of France?"):
-    stream = generate(pair.make_target(), None if cfg.method == "ar" else pair.make_drafter(drafter),
+def finish(pair, cfg, drafter="model", prompt="What is the capital of France?", backend="auto"):
+    draft = None if cfg.method == "ar" else pair.make_drafter(drafter, backend)
+    stream = generate(pair.make_target(backend), draft,
                       pair.tokenizer, pair.encode_prompt(prompt), cfg, eos_token_ids=pair.eos_token_ids)
     return next(e for e in stream if isinstance(e, FinishEvent))
 
@@ -35,12 +36,14 @@ def test_default_pair_speaks_sensibly(default_pair):
 
 
 @pytest.mark.parametrize("method", ["sps", "cactus"])
-def test_greedy_speculative_equals_autoregressive_on_the_default_pair(default_pair, method):
-    ar = finish(default_pair, SpecConfig(method="ar", max_new_tokens=24))
-    spec = finish(default_pair, SpecConfig(method=method, num_speculative_tokens=3, max_new_tokens=24))
+def test_greedy_speculative_equals_autoregressive_on_the_default_pair(default_pair, method, backend):
+    ar = finish(default_pair, SpecConfig(method="ar", max_new_tokens=20), backend=backend)
+    spec = finish(default_pair, SpecConfig(method=method, num_speculative_tokens=3, max_new_tokens=20),
+                  backend=backend)
     assert spec.token_ids == ar.token_ids
 
 
-def test_target_as_draft_accepts_everything_on_the_default_pair(default_pair):
-    fin = finish(default_pair, SpecConfig(method="sps", num_speculative_tokens=4, max_new_tokens=21), drafter="self")
+def test_target_as_draft_accepts_everything_on_the_default_pair(default_pair, backend):
+    fin = finish(default_pair, SpecConfig(method="sps", num_speculative_tokens=4, max_new_tokens=21), drafter="self",
+                 backend=backend)
     assert fin.metrics["draft_acceptance_rate"] == 1.0

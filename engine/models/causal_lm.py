@@ -46,6 +46,11 @@ class CausalLM(ABC):
             self._crop(self.length - length)
             self.length = length
 
+    @property
+    def backend_label(self) -> str:
+        """What ran, for reports: the backend and, where it matters, the weight format."""
+        return self.backend
+
     def reset(self) -> None:
         self._reset()
         self.length = 0

@@ -242,6 +242,10 @@ class FastLlamaCausalLM(CausalLM):
         self.max_length = 0
         self._allocate(min(max_length, self.w.max_position_embeddings))
 
+    @property
+    def backend_label(self) -> str:
+        return f"fast/{self.weight_dtype}"
+
     def _allocate(self, max_length: int) -> None:
         w = self.w
         shape = (len(w.layers), w.n_kv_heads, max_length, w.head_dim)

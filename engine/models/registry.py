@@ -18,11 +18,16 @@ from transformers.utils import logging as hf_logging
 from engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from engine.models.causal_lm import CausalLM, HFCausalLM
 from engine.models.embedded import embedded_target_dir
+from engine.models.fast_llama import WEIGHT_DTYPES, FastLlamaCausalLM, fast_backend_supported
 from engine.models.layer_subset import layer_subset_model
 from engine.models.tiny import tiny_pair_dirs
 
 PAIRS = ("default", "tiny")
 DRAFTER_KINDS = ("model", "ngram", "self")
+BACKENDS = ("auto", "transformers", "fast")
+# fp16 weights were measured fastest on CPU with fp32-level fidelity (assets/FAST_BACKEND.md);
+# fp32 stays the reference mode.
+DEFAULT_FAST_WEIGHTS = "float16"
 # Until the project ships a trained draft, the default draft is an early exit of the target:
 # its first layers plus the target's final norm and LM head (chosen by measured acceptance).
 DEFAULT_DRAFT_LAYERS = (0, 1, 2, 3, 4, 5)
@@ -43,21 +48,36 @@ class ModelPair:
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
-    def make_target(self) -> CausalLM:
-        return HFCausalLM(self.target_model, f"{self.name}/target", self.vocab_size)
+    def make_target(self, backend: str = "auto", weight_dtype: str = DEFAULT_FAST_WEIGHTS) -> CausalLM:
+        return self._causal_lm(self.target_model, f"{self.name}/target", backend, weight_dtype)
 
-    def make_drafter(self, kind: str = "model") -> Drafter:
+    def make_drafter(self, kind: str = "model", backend: str = "auto",
+                     weight_dtype: str = DEFAULT_FAST_WEIGHTS) -> Drafter:
         if kind == "model":
             if self.draft_model is None:
                 raise ValueError(f"pair {self.name!r} has no draft model; use the 'ngram' drafter")
-            return ModelDrafter(HFCausalLM(self.draft_model, f"{self.name}/draft", self.vocab_size),
+            return ModelDrafter(self._causal_lm(self.draft_model, f"{self.name}/draft", backend, weight_dtype),
                                 self.draft_description)
         if kind == "self":
-            return ModelDrafter(HFCausalLM(self.target_model, f"{self.name}/target-as-draft", self.vocab_size),
-                                "the target itself")
+            return ModelDrafter(self._causal_lm(self.target_model, f"{self.name}/target-as-draft", backend,
+                                                weight_dtype), "the target itself")
         if kind == "ngram":
             return NgramDrafter(self.vocab_size)
         raise ValueError(f"unknown drafter {kind!r}; expected one of {', '.join(DRAFTER_KINDS)}")
+
+    def _causal_lm(self, model: PreTrainedModel, name: str, backend: str, weight_dtype: str) -> CausalLM:
+        """`auto` picks the fast static-cache decoder wherever it supports the architecture."""
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        supported = fast_backend_supported(model)
+        if backend == "fast" and not supported:
+            raise ValueError(f"the fast backend does not support {model.config.model_type!r} models; "
+                             "use backend='transformers'")
+        if backend == "transformers" or not supported:
+            return HFCausalLM(model, name, self.vocab_size)
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"unknown weight_dtype {weight_dtype!r}; expected one of {', '.join(WEIGHT_DTYPES)}")
+        return FastLlamaCausalLM(model, name, self.vocab_size, weight_dtype=weight_dtype)
 
     def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
         """Token ids for a user prompt, through the chat template when the tokenizer has one."""
