@@ -29,8 +29,8 @@ from engine.models.registry import BACKENDS, DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS
 from engine.prompts import held_out_prompts
 
 PEER_METHODS = ("hf-ar", "hf-assisted")
-SUM_KEYS = ("new_tokens", "num_rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "kl_total",
-            "elapsed_seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "overhead_seconds")
+SUM_KEYS = ("new_tokens", "num_rounds", "target_forwards", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+            "kl_total", "elapsed_seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "overhead_seconds")
 TIMED_KEYS = ("tokens_per_s", "decode_tokens_per_s", "overhead_fraction", "draft_ms_per_token",
               "verify_ms_per_round")
 
@@ -60,11 +60,11 @@ def _derive(t: dict, devices: str) -> dict:
         "decode_tokens_per_s": new / max(t["elapsed_seconds"] - t["prefill_seconds"], 1e-9),
         "mean_acceptance_length": 1 + t["num_accepted_tokens"] / drafts if drafts else None,
         "draft_acceptance_rate": t["num_accepted_tokens"] / drafted if drafted else None,
-        "target_forwards_per_token": t["num_rounds"] / new if new else None,
+        "target_forwards_per_token": t["target_forwards"] / new if new else None,
         "mean_kl_per_token": t["kl_total"] / new if new else None,
         "overhead_fraction": t["overhead_seconds"] / rounds_time if rounds_time else None,
         "draft_ms_per_token": 1e3 * t["draft_seconds"] / drafted if drafted else None,
-        "verify_ms_per_round": 1e3 * t["verify_seconds"] / t["num_rounds"] if t["num_rounds"] else None,
+        "verify_ms_per_round": 1e3 * t["verify_seconds"] / t["target_forwards"] if t["target_forwards"] else None,
         "devices": devices,
     }
 

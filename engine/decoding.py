@@ -4,7 +4,8 @@ One round = draft K tokens, verify K+1 positions in a single target forward, app
 rule, roll both KV caches back to the accepted length. Autoregressive decoding is the same round
 with K = 0 (the single target position yields the token), so AR and SpS share every line that is
 not drafting. The target cache always holds every token except the last emitted one, which is fed
-as the first of the K+1 verified positions: no prefix is ever recomputed.
+as the first of the K+1 verified positions (after the prefill, whose last row already is T_1, it
+holds them all): no prefix is ever recomputed.
 
 The config object is snapshotted at the start of every round, so K, δ, the method and the
 sampling settings can change while a generation runs.
@@ -64,8 +65,9 @@ def generate(
     generated: list[int] = []
 
     start = time.perf_counter()
-    if len(context) > 1:
-        target.forward(context[:-1])
+    # The prefill's last row already is T_1 of the first round: keep it instead of re-feeding the
+    # last prompt token (one target forward saved per generation, as HF generate() does).
+    pending_logits: torch.Tensor | None = target.forward(context)
     prefill_seconds = time.perf_counter() - start
     yield StartEvent(len(context), prefill_seconds, target.name, drafter.name if drafter else "none",
                      target.backend_label, describe_device(target))
@@ -94,7 +96,11 @@ def generate(
         draft_seconds = (drafter.forward_seconds if drafter else 0.0) - draft_before
 
         verify_before = target.forward_seconds
-        logits = target.forward([context[-1]] + proposal.tokens, last_n=k + 1)
+        feed = ([] if pending_logits is not None else [context[-1]]) + proposal.tokens
+        logits = target.forward(feed, last_n=len(feed)) if feed else pending_logits[:0]
+        if pending_logits is not None:
+            logits = torch.cat([pending_logits, logits])
+        pending_logits = None
         verify_seconds = target.forward_seconds - verify_before
 
         target_probs = logits_to_probs(logits, params)
@@ -140,6 +146,7 @@ def generate(
             kl=sum(e.kl for e in token_events),
             draft_seconds=draft_seconds,
             verify_seconds=verify_seconds,
+            target_forwards=int(bool(feed)),
             round_seconds=time.perf_counter() - round_start,
             elapsed_seconds=time.perf_counter() - start,
             config=cfg.as_dict(),

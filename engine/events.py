@@ -64,6 +64,7 @@ class RoundEvent:
     kl: float  # KL spent by the emitted tokens of this round
     draft_seconds: float
     verify_seconds: float
+    target_forwards: int  # 0 when the prefill already gave this round's only target position
     round_seconds: float
     elapsed_seconds: float  # since the generation started (prefill included)
     config: dict = field(default_factory=dict)

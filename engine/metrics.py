@@ -15,7 +15,8 @@ from engine.events import RoundEvent
 @dataclass
 class SpecMetrics:
     new_tokens: int = 0
-    num_rounds: int = 0  # = target forwards after prefill
+    num_rounds: int = 0
+    target_forwards: int = 0  # after prefill
     num_drafts: int = 0  # rounds that verified at least one drafted token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -31,6 +32,7 @@ class SpecMetrics:
     def add_round(self, event: RoundEvent) -> None:
         self.new_tokens += event.num_emitted
         self.num_rounds += 1
+        self.target_forwards += event.target_forwards
         self.kl_total += event.kl
         self.draft_seconds += event.draft_seconds
         self.verify_seconds += event.verify_seconds
@@ -64,8 +66,8 @@ class SpecMetrics:
             "per_position_acceptance_rate": [n / drafts for n in self.accepted_per_pos] if drafts else [],
             "acceptance_histogram": list(self.histogram),
             "system_efficiency": self.emitted_in_drafted_rounds / self.slots_in_drafted_rounds if drafts else None,
-            "target_forwards": self.num_rounds,
-            "target_forwards_per_token": self.num_rounds / self.new_tokens if self.new_tokens else None,
+            "target_forwards": self.target_forwards,
+            "target_forwards_per_token": self.target_forwards / self.new_tokens if self.new_tokens else None,
             "kl_total": self.kl_total,
             "mean_kl_per_token": self.kl_total / self.new_tokens if self.new_tokens else 0.0,
             "elapsed_seconds": elapsed_seconds,
