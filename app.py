@@ -9,7 +9,8 @@ import argparse
 import os
 import sys
 
-from engine.config import DECODE_METHODS, SpecConfig
+from engine.cli import add_spec_arguments, spec_config_from_args
+from engine.config import DECODE_METHODS
 from engine.decoding import generate
 from engine.events import FinishEvent, StartEvent, TokenEvent
 from engine.models.registry import DRAFTER_KINDS, load_pair
@@ -31,20 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cli", action="store_true", help="terminal preview instead of the browser playground")
     ap.add_argument("--method", default="sps", choices=DECODE_METHODS, help="--cli only")
     ap.add_argument("--prompt", default="Write a short poem about the sea.", help="--cli only")
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--delta", type=float, default=1.0)
-    ap.add_argument("--temperature", type=float, default=0.6)
-    ap.add_argument("--top-p", type=float, default=0.95)
-    ap.add_argument("--top-k", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--seed", type=int, default=0)
+    add_spec_arguments(ap, temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=96)  # --cli only
     return ap.parse_args(argv)
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    cfg = SpecConfig(method=args.method, num_speculative_tokens=args.k, delta=args.delta,
-                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                     max_new_tokens=args.max_new_tokens, seed=args.seed)
+    cfg = spec_config_from_args(args, method=args.method)
     cfg.validate()
     pair = load_pair(args.pair)
     drafter = None if args.method == "ar" else pair.make_drafter(args.drafter)

@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 from transformers import GenerationConfig
 
+from engine.cli import add_spec_arguments, spec_config_from_args
 from engine.config import DECODE_METHODS, SpecConfig
 from engine.decoding import describe_device, generate
 from engine.events import FinishEvent
@@ -138,17 +139,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="weight format of the fast backend (float32 is the reference)")
     ap.add_argument("--methods", default="ar,sps,tas,cactus", help=f"comma list of {', '.join(DECODE_METHODS)}")
     ap.add_argument("--peers", default="hf-ar,hf-assisted", help="comma list of hf-ar, hf-assisted ('' for none)")
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--delta", type=float, default=1.0)
-    ap.add_argument("--posterior-threshold", type=float, default=0.09)
-    ap.add_argument("--posterior-alpha", type=float, default=0.3)
-    ap.add_argument("--temperature", type=float, default=0.6)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    add_spec_arguments(ap)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="timing columns are medians over repeats")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     ap.add_argument("--json", help="write the rows as JSON to this file")
@@ -169,9 +162,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         raise SystemExit("--prompts and --repeats must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = SpecConfig(num_speculative_tokens=args.k, delta=args.delta, posterior_threshold=args.posterior_threshold,
-                     posterior_alpha=args.posterior_alpha, temperature=args.temperature, top_k=args.top_k,
-                     top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    cfg = spec_config_from_args(args)
     try:
         cfg.validate()
         pair = load_pair(args.pair, args.target, args.draft)
