@@ -16,6 +16,7 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
+from engine.config import SpecConfig
 from engine.decoding import generate as engine_generate
 from playground import charts
 from playground.inspector import inspect_figure, inspect_markdown
@@ -94,6 +95,13 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
     def encode(prompt: str) -> list[int]:
         return check_prompt_tokens(limits, pair.encode_prompt(prompt))
 
+    def validated(prompt: str, **settings) -> tuple[SpecConfig, list[int]]:
+        """Settings and prompt checked together; a bad value is a readable gr.Error, never a traceback."""
+        try:
+            return build_config(limits, **settings), encode(prompt)
+        except ValueError as err:
+            raise gr.Error(str(err), print_exception=False) from None
+
     with gr.Blocks(title="specplay — speculative decoding playground") as demo:
         gr.Markdown(
             f"# specplay: watch speculative decoding work\n"
@@ -164,13 +172,9 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
 
             def generate(prompt_text, method_v, k_v, delta_v, temp_v, top_p_v, top_k_v, eps_v, alpha_v, max_new_v,
                          seed_v, request: gr.Request):
-                try:
-                    cfg = build_config(limits, method=method_v, k=k_v, delta=delta_v, posterior_threshold=eps_v,
-                                       posterior_alpha=alpha_v, temperature=temp_v, top_p=top_p_v, top_k=top_k_v,
-                                       max_new_tokens=max_new_v, seed=seed_v)
-                    prompt_ids = encode(prompt_text)
-                except ValueError as err:
-                    raise gr.Error(str(err), print_exception=False) from None
+                cfg, prompt_ids = validated(prompt_text, method=method_v, k=k_v, delta=delta_v,
+                                            posterior_threshold=eps_v, posterior_alpha=alpha_v, temperature=temp_v,
+                                            top_p=top_p_v, top_k=top_k_v, max_new_tokens=max_new_v, seed=seed_v)
                 session = session_of(request)
                 yield [], "generating…", gr.skip(), gr.Timer(active=True)
                 for run in start_session_run(ctx, session, cfg, prompt_ids):
@@ -289,15 +293,11 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
             def compare(prompt_text, methods_v, k_v, delta_v, temp_v, top_p_v, top_k_v, eps_v, alpha_v, max_new_v,
                         seed_v, request: gr.Request):
                 methods_v = [m for m in (methods_v or []) if m in UI_METHODS]
-                try:
-                    if not 2 <= len(methods_v) <= min(COMPARE_SLOTS, limits.max_compare_methods):
-                        raise ValueError("pick between 2 and 5 methods to compare")
-                    cfg = build_config(limits, method="sps", k=k_v, delta=delta_v, posterior_threshold=eps_v,
-                                       posterior_alpha=alpha_v, temperature=temp_v, top_p=top_p_v, top_k=top_k_v,
-                                       max_new_tokens=max_new_v, seed=seed_v)
-                    prompt_ids = encode(prompt_text)
-                except ValueError as err:
-                    raise gr.Error(str(err), print_exception=False) from None
+                if not 2 <= len(methods_v) <= min(COMPARE_SLOTS, limits.max_compare_methods):
+                    raise gr.Error("pick between 2 and 5 methods to compare", print_exception=False)
+                cfg, prompt_ids = validated(prompt_text, method="sps", k=k_v, delta=delta_v,
+                                            posterior_threshold=eps_v, posterior_alpha=alpha_v, temperature=temp_v,
+                                            top_p=top_p_v, top_k=top_k_v, max_new_tokens=max_new_v, seed=seed_v)
                 session = session_of(request)
                 session.job_stop.set()
                 session.job_stop = stop_event = threading.Event()
@@ -461,13 +461,10 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
 
             def tutor_start(prompt_text, method_v, k_v, delta_v, temp_v, preset_v, request: gr.Request):
                 p = PRESETS[preset_v]
-                try:
-                    cfg = build_config(limits, method=method_v, k=k_v, delta=delta_v, posterior_threshold=p.posterior_threshold,
-                                       posterior_alpha=p.posterior_alpha, temperature=temp_v, top_p=p.top_p,
-                                       top_k=p.top_k, max_new_tokens=min(64, limits.max_new_tokens), seed=0)
-                    prompt_ids = encode(prompt_text)
-                except ValueError as err:
-                    raise gr.Error(str(err), print_exception=False) from None
+                cfg, prompt_ids = validated(prompt_text, method=method_v, k=k_v, delta=delta_v,
+                                            posterior_threshold=p.posterior_threshold,
+                                            posterior_alpha=p.posterior_alpha, temperature=temp_v, top_p=p.top_p,
+                                            top_k=p.top_k, max_new_tokens=min(64, limits.max_new_tokens), seed=0)
                 session = session_of(request)
                 session.tutor_stop.set()
                 session.tutor_stop = threading.Event()
