@@ -4,7 +4,8 @@ All methods run in one process on the same prompts with the same seeds, interlea
 repeat so that machine drift hits every method alike; timing columns are medians over repeats.
 Peer rows run Hugging Face `generate()` on the same weights and threads: `hf-ar` (plain decoding)
 and `hf-assisted` (`assistant_model=` with the same draft and K, or `prompt_lookup_num_tokens=K`
-for the n-gram drafter), so we know where we stand against what users already have.
+for the n-gram drafter), so we know where we stand against what users already have; `llama.cpp`
+(optional, needs llama-cpp-python) runs the default target's own GGUF.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import lru_cache
 
 import pandas as pd
 import torch
@@ -25,11 +27,12 @@ from engine.cli import add_spec_arguments, spec_config_from_args
 from engine.config import DECODE_METHODS, SpecConfig
 from engine.decoding import describe_device, generate
 from engine.events import FinishEvent
+from engine.models.embedded import gguf_path
 from engine.models.fast_llama import WEIGHT_DTYPES
 from engine.models.registry import BACKENDS, DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS, PAIRS, ModelPair, load_pair
 from engine.prompts import held_out_prompts
 
-PEER_METHODS = ("hf-ar", "hf-assisted")
+PEER_METHODS = ("hf-ar", "hf-assisted", "llama.cpp")
 SUM_KEYS = ("new_tokens", "num_rounds", "target_forwards", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
             "kl_total", "elapsed_seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "overhead_seconds")
 TIMED_KEYS = ("tokens_per_s", "decode_tokens_per_s", "overhead_fraction", "draft_ms_per_token",
@@ -127,6 +130,40 @@ def run_peer(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: Sp
     }
 
 
+@lru_cache(maxsize=1)
+def _llama(threads: int):
+    """The embedded GGUF loaded once by llama.cpp (through llama-cpp-python, optional)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError as err:
+        raise SystemExit("the llama.cpp peer row needs llama-cpp-python (pip install llama-cpp-python; "
+                         "it compiles llama.cpp from source, about 11 minutes on 2 cores)") from err
+    return Llama(model_path=str(gguf_path()), n_ctx=2048, n_threads=threads, verbose=False)
+
+
+def run_llama_cpp(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: SpecConfig, drafter: str,
+                  ignore_eos: bool, backend: str = "", weight_dtype: str = "") -> dict:
+    """llama.cpp on the very GGUF our default target is converted from: the bar for CPU decoding."""
+    if pair.name != "default":
+        raise SystemExit("the llama.cpp peer row runs the embedded GGUF: use --pair default")
+    llm = _llama(torch.get_num_threads())
+    no_eos = {t: float("-inf") for t in pair.eos_token_ids} if ignore_eos else None
+    new = elapsed = 0.0
+    for i, ids in enumerate(prompts):
+        llm.reset()  # no prompt-cache reuse across prompts: every row pays its own prefill
+        start = time.perf_counter()
+        out = llm.create_completion(ids, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                    top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed + i, logit_bias=no_eos)
+        elapsed += time.perf_counter() - start
+        new += out["usage"]["completion_tokens"]
+    return {"new_tokens": int(new), "tokens_per_s": new / elapsed, "mean_acceptance_length": None,
+            "draft_acceptance_rate": None, "target_forwards_per_token": None, "mean_kl_per_token": None,
+            "devices": f"cpu ({torch.get_num_threads()} threads)", "backend": "llama.cpp (GGUF Q4_1)"}
+
+
+PEER_RUNNERS = {"hf-ar": run_peer, "hf-assisted": run_peer, "llama.cpp": run_llama_cpp}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default="default", choices=PAIRS)
@@ -138,7 +175,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--weight-dtype", default=DEFAULT_FAST_WEIGHTS, choices=WEIGHT_DTYPES,
                     help="weight format of the fast backend (float32 is the reference)")
     ap.add_argument("--methods", default="ar,sps,tas,cactus", help=f"comma list of {', '.join(DECODE_METHODS)}")
-    ap.add_argument("--peers", default="hf-ar,hf-assisted", help="comma list of hf-ar, hf-assisted ('' for none)")
+    ap.add_argument("--peers", default="hf-ar,hf-assisted",
+                    help="comma list of hf-ar, hf-assisted, llama.cpp (needs llama-cpp-python) ('' for none)")
     add_spec_arguments(ap)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="timing columns are medians over repeats")
@@ -173,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     runs: dict[str, list[dict]] = {m: [] for m in methods + peers}
     for rep in range(args.repeats):
         for m in methods + peers:
-            runner = run_peer if m in PEER_METHODS else run_engine
+            runner = PEER_RUNNERS.get(m, run_engine)
             runs[m].append(runner(pair, m, prompts, cfg, args.drafter, args.ignore_eos, args.backend,
                                   args.weight_dtype))
             print(f"[bench] repeat {rep + 1}/{args.repeats} {m}: {runs[m][-1]['tokens_per_s']:.2f} tok/s",
@@ -185,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         for key in TIMED_KEYS:
             values = [r[key] for r in reps if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
-        row.update(method=m, pair=pair.name, drafter="-" if m in ("ar", "hf-ar") else args.drafter, k=args.k,
+        row.update(method=m, pair=pair.name, drafter="-" if m in ("ar", "hf-ar", "llama.cpp") else args.drafter, k=args.k,
                    delta=args.delta if m == "cactus" else None, temperature=args.temperature,
                    top_p=args.top_p, top_k=args.top_k, prompts=args.prompts, repeats=args.repeats,
                    threads=torch.get_num_threads(), tokens_per_s_runs=[r["tokens_per_s"] for r in reps])

@@ -1,4 +1,7 @@
+import importlib.util
 import json
+
+import pytest
 
 from engine import bench
 
@@ -23,6 +26,19 @@ def test_bench_writes_rows_for_every_method_and_peer(tmp_path, capsys):
 
 
 def test_bench_rejects_unknown_methods():
-    import pytest
     with pytest.raises(SystemExit, match="unknown method"):
         bench.main(["--pair", "tiny", "--methods", "ar,medusa"])
+
+
+@pytest.mark.slow
+def test_llama_cpp_peer_row_runs_the_embedded_gguf_or_says_what_it_needs(tmp_path):
+    args = ["--pair", "default", "--methods", "ar", "--peers", "llama.cpp", "--prompts", "1", "--repeats", "1",
+            "--max-new-tokens", "8", "--ignore-eos", "--json", str(tmp_path / "rows.json")]
+    if importlib.util.find_spec("llama_cpp") is None:
+        with pytest.raises(SystemExit, match="llama-cpp-python"):
+            bench.main(args)
+        return
+    bench.main(args)
+    rows = {r["method"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+    assert rows["llama.cpp"]["new_tokens"] == 8 and rows["llama.cpp"]["tokens_per_s"] > 0
+    assert rows["llama.cpp"]["backend"] == "llama.cpp (GGUF Q4_1)"
