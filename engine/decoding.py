@@ -58,6 +58,8 @@ def generate(
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     generator = torch.Generator().manual_seed(int(cfg.seed))
     target.reset()
+    observes = drafter is not None and drafter.needs_target_features
+    target.keep_hidden = observes
     if drafter is not None:
         drafter.start()
     detok = IncrementalDetokenizer(tokenizer)
@@ -68,6 +70,8 @@ def generate(
     # The prefill's last row already is T_1 of the first round: keep it instead of re-feeding the
     # last prompt token (one target forward saved per generation, as HF generate() does).
     pending_logits: torch.Tensor | None = target.forward(context)
+    if observes:
+        drafter.observe_target(0, target.last_hidden)
     prefill_seconds = time.perf_counter() - start
     yield StartEvent(len(context), prefill_seconds, target.name, drafter.name if drafter else "none",
                      target.backend_label, describe_device(target))
@@ -96,6 +100,7 @@ def generate(
         draft_seconds = (drafter.forward_seconds if drafter else 0.0) - draft_before
 
         verify_before = target.forward_seconds
+        fed_from = target.length
         feed = ([] if pending_logits is not None else [context[-1]]) + proposal.tokens
         logits = target.forward(feed, last_n=len(feed)) if feed else pending_logits[:0]
         if pending_logits is not None:
@@ -115,6 +120,8 @@ def generate(
         )
         num_accepted = int(result.num_accepted[0])
         target.rollback(len(context) + num_accepted)
+        if observes and feed:
+            drafter.observe_target(fed_from, target.last_hidden[: target.length - fed_from])
 
         new_tokens = proposal.tokens[:num_accepted] + [int(result.next_tokens[0])]
         finished = False

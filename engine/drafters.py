@@ -31,9 +31,15 @@ if TYPE_CHECKING:  # models.registry builds drafters; import the interface only 
 class Drafter(ABC):
     name: str
     kind: str
+    # Feature-level drafts (EAGLE-style) read the target's final hidden states; the decoding loop
+    # then hands them over through `observe_target` after every target forward.
+    needs_target_features: bool = False
 
     def start(self) -> None:
         """Forget any previous sequence (called once per generation)."""
+
+    def observe_target(self, start: int, hidden: torch.Tensor) -> None:
+        """The target's final hidden states [n, H] of the committed tokens at positions start..start+n-1."""
 
     @abstractmethod
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: torch.Tensor) -> Proposal:

@@ -26,6 +26,10 @@ class CausalLM(ABC):
         self.length = 0  # tokens held in the KV cache
         self.forward_seconds = 0.0  # wall time spent inside model forwards (for overhead metrics)
         self.num_forwards = 0
+        # Feature-level drafts read the target's final (post-norm) hidden states of every fed
+        # token; backends that would pay extra to keep them do so only when asked.
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None  # [tokens fed in the last forward, hidden]
 
     def forward(self, tokens: Sequence[int], last_n: int = 1) -> torch.Tensor:
         """Append `tokens` to the cache; return float32 logits [last_n, V] of the last positions."""
@@ -82,7 +86,10 @@ class HFCausalLM(CausalLM):
     @torch.inference_mode()
     def _forward(self, tokens: Sequence[int], last_n: int) -> torch.Tensor:
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=last_n)
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=last_n,
+                         output_hidden_states=self.keep_hidden)
+        if self.keep_hidden:
+            self.last_hidden = out.hidden_states[-1][0].float()
         return out.logits[0, -last_n:, : self.vocab_size].float()
 
     def _crop(self, tokens_to_remove: int) -> None:

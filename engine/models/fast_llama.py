@@ -284,6 +284,7 @@ class FastLlamaCausalLM(CausalLM):
             x, h = _add_norm(x, layer.o(attn), layer.post_norm, w.eps)
             out = layer.down(_silu_mul(layer.gate_up(h)))
             x, h = _add_norm(x, out, w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.norm, w.eps)
+        self.last_hidden = h
         return w.lm_head(h[n - last_n:])[:, : self.vocab_size]
 
     def _crop(self, tokens_to_remove: int) -> None:
