@@ -21,6 +21,7 @@ class CausalLM(ABC):
     name: str
     backend: str
     vocab_size: int
+    supports_tree = False  # whether forward_tree exists (SSD's batched branch decode)
 
     def __init__(self) -> None:
         self.length = 0  # tokens held in the KV cache
@@ -42,6 +43,19 @@ class CausalLM(ABC):
         self.num_forwards += 1
         return logits
 
+    def forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
+        """Append input vectors [n, hidden] (not token ids) to the cache; return the final-norm hidden
+        states [n, hidden]. Feature-level drafts feed fc([embedding; target feature]) this way."""
+        start = time.perf_counter()
+        hidden = self._forward_embeds(embeds)
+        self.length += embeds.shape[0]
+        self.forward_seconds += time.perf_counter() - start
+        self.num_forwards += 1
+        return hidden
+
+    def _forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"the {self.backend} backend cannot take input vectors")
+
     def rollback(self, length: int) -> None:
         """Keep only the first `length` cached tokens (rejected drafts are dropped this way)."""
         if not 0 <= length <= self.length:
@@ -49,6 +63,17 @@ class CausalLM(ABC):
         if length < self.length:
             self._crop(self.length - length)
             self.length = length
+
+    def forward_tree(self, tokens: Sequence[int], positions: Sequence[int], slot: int,
+                     visible: torch.Tensor) -> torch.Tensor:
+        """Scratch forward for a token tree: logits [n, V] of every token, cache length unchanged.
+
+        Token j has rotary position `positions[j]`, its K/V go to cache slot `slot + j`
+        (slot >= length: past the committed tokens, so `rollback` by length stays valid), and it
+        attends to the keys where `visible[j]` ([n, slot + n] bool) is True. SSD decodes all
+        speculation-cache branches this way, one tree depth per call.
+        """
+        raise NotImplementedError(f"the {self.backend} backend has no tree forward")
 
     @property
     def backend_label(self) -> str:
@@ -91,6 +116,11 @@ class HFCausalLM(CausalLM):
         if self.keep_hidden:
             self.last_hidden = out.hidden_states[-1][0].float()
         return out.logits[0, -last_n:, : self.vocab_size].float()
+
+    @torch.inference_mode()
+    def _forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
+        out = self.model.model(inputs_embeds=embeds[None].to(self.device), cache=self.cache, use_cache=True)
+        return out.last_hidden_state[0].float()
 
     def _crop(self, tokens_to_remove: int) -> None:
         self.cache.crop(-tokens_to_remove)

@@ -23,6 +23,7 @@ Measured numbers and the commands behind them: assets/FAST_BACKEND.md.
 from __future__ import annotations
 
 import weakref
+import time
 from collections.abc import Sequence
 
 import torch
@@ -231,6 +232,7 @@ class FastLlamaCausalLM(CausalLM):
     """
 
     backend = "fast"
+    supports_tree = True
 
     def __init__(self, model: PreTrainedModel, name: str = "fast", vocab_size: int | None = None,
                  weight_dtype: str = "float32", max_length: int = 2048) -> None:
@@ -250,9 +252,9 @@ class FastLlamaCausalLM(CausalLM):
         w = self.w
         shape = (len(w.layers), w.n_kv_heads, max_length, w.head_dim)
         k, v = torch.zeros(shape), torch.zeros(shape)
-        if self.max_length:  # growing: keep what is cached
-            k[:, :, : self.length] = self.k[:, :, : self.length]
-            v[:, :, : self.length] = self.v[:, :, : self.length]
+        if self.max_length:  # growing: keep what is cached, tree scratch slots included
+            k[:, :, : self.max_length] = self.k
+            v[:, :, : self.max_length] = self.v
         self.k, self.v = k, v
         self.rope = w.rope_table(max_length)
         self.max_length = max_length
@@ -267,9 +269,21 @@ class FastLlamaCausalLM(CausalLM):
 
     @torch.inference_mode()
     def _forward(self, tokens: Sequence[int], last_n: int) -> torch.Tensor:
-        w, pos, n = self.w, self.length, len(tokens)
+        n = len(tokens)
         if not 1 <= last_n <= n:
             raise ValueError(f"last_n must be in [1, {n}], got {last_n}")
+        h = self._decode(self.w.embed[torch.tensor(list(tokens))])
+        self.last_hidden = h
+        return self.w.lm_head(h[n - last_n:])[:, : self.vocab_size]
+
+    @torch.inference_mode()
+    def _forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
+        return self._decode(embeds.float().clone())
+
+    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the layers on input vectors x [n, hidden] at positions length..length+n; return the
+        final-norm hidden states [n, hidden]. x is consumed (the residual stream is updated in place)."""
+        w, pos, n = self.w, self.length, x.shape[0]
         end = pos + n
         self._ensure_capacity(end)
         rope = self.rope[pos:end, None, :]
@@ -277,15 +291,29 @@ class FastLlamaCausalLM(CausalLM):
         mask = None
         if n > 1:
             mask = torch.full((n, end), float("-inf")).triu_(diagonal=pos + 1)
-        x = w.embed[torch.tensor(list(tokens))]  # [n, hidden]
         h = _rms_norm(x, w.layers[0].input_norm, w.eps)
         for i, layer in enumerate(w.layers):
             attn = _attention(layer.qkv(h), rope, self.k[i], self.v[i], pos, mask, w.n_heads, w.n_kv_heads)
             x, h = _add_norm(x, layer.o(attn), layer.post_norm, w.eps)
             out = layer.down(_silu_mul(layer.gate_up(h)))
             x, h = _add_norm(x, out, w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.norm, w.eps)
-        self.last_hidden = h
-        return w.lm_head(h[n - last_n:])[:, : self.vocab_size]
+        return h
+
+    @torch.inference_mode()
+    def forward_tree(self, tokens: Sequence[int], positions: Sequence[int], slot: int,
+                     visible: torch.Tensor) -> torch.Tensor:
+        n = len(tokens)
+        if slot < self.length or len(positions) != n or tuple(visible.shape) != (n, slot + n):
+            raise ValueError(f"tree forward needs slot >= length ({self.length}), {n} positions and a "
+                             f"[{n}, {slot + n}] visibility mask; got slot {slot}, {len(positions)} positions, "
+                             f"mask {tuple(visible.shape)}")
+        start = time.perf_counter()
+        self._ensure_capacity(max(slot + n, max(positions) + 1))
+        mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+        logits = self._decode(tokens, self.rope[torch.tensor(list(positions)), None, :], slot, mask, n)
+        self.forward_seconds += time.perf_counter() - start
+        self.num_forwards += 1
+        return logits
 
     def _crop(self, tokens_to_remove: int) -> None:
         pass  # positions >= self.length are simply overwritten by the next forward
