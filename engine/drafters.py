@@ -9,7 +9,7 @@ start of each proposal, so the decoding loop never manages draft state.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +23,10 @@ class Proposal:
     tokens: list[int]  # n <= K drafted tokens
     probs: torch.Tensor  # [n, V]: D_i, the distribution tokens[i] was sampled from
 
+
+# Saguaro sampling (ALGORITHMS.md §4.4): maps the draft distribution of drafted position i
+# (0-based, rows [..., V]) to the distribution the token is actually sampled from.
+ProposalShape = Callable[[torch.Tensor, int], torch.Tensor]
 
 if TYPE_CHECKING:  # models.registry builds drafters; import the interface only for type checking
     from engine.models.causal_lm import CausalLM
@@ -44,6 +48,53 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: torch.Tensor) -> Proposal:
         """Draft up to `k` tokens after `context`, drawing token i with `uniforms[i]`."""
+
+    def score(self, context: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """Draft logits [len(tokens)+1, V] after `context + tokens[:i]`, i = 0..len(tokens).
+
+        SSD's "glue decode" (ALGORITHMS.md §4.6): the fork candidates of the speculation cache are
+        the top-F tokens of these rows. Only the ranking matters, so the default takes the log of
+        `propose`'s temperature-1 distribution one position at a time; neural drafters override it
+        with a single forward.
+        """
+        rows = []
+        for i in range(len(tokens) + 1):
+            step = self.propose(list(context) + list(tokens[:i]), 1, SamplingParams(1.0), torch.zeros(1))
+            rows.append(step.probs[0].log() if step.tokens else torch.zeros(step.probs.shape[-1]))
+        return torch.stack(rows)
+
+    def propose_branches(self, context: Sequence[int], speculation: Sequence[int], forks: Sequence[tuple[int, int]],
+                         k: int, params: SamplingParams, uniforms: torch.Tensor,
+                         shape: ProposalShape | None = None) -> list[Proposal]:
+        """Draft `k` tokens for every fork of a speculation: SSD's speculation-cache fill (§4.6).
+
+        Fork `(d, y)` (0 <= d <= len(speculation)) is the verification outcome "d drafted tokens
+        accepted, then token y": its branch continues `context + speculation[:d] + [y]`. Branch j
+        draws token i with `uniforms[j, i]` ([len(forks), k]) from `shape(D_i, i)` (Saguaro
+        sampling) or from D_i itself when `shape` is None; each returned Proposal carries the
+        exact distributions its tokens were drawn from, so verification stays lossless.
+
+        This default loops over the branches with `propose` (correct for every drafter, one branch
+        at a time); `ModelDrafter` overrides it with one batched tree pass per depth.
+        """
+        if k < 1:
+            raise ValueError(f"each branch needs k >= 1 drafted tokens, got {k}")
+        out = []
+        for (d, y), u in zip(forks, uniforms):
+            prefix = list(context) + list(speculation[:d]) + [int(y)]
+            if shape is None:
+                out.append(self.propose(prefix, k, params, u))
+                continue
+            tokens: list[int] = []
+            rows = []
+            for i in range(k):
+                step = self.propose(prefix + tokens, 1, params, u[i:i + 1])
+                if not step.tokens:
+                    break
+                rows.append(shape(step.probs[0], i))
+                tokens.append(int(sample_from(rows[-1], u[i])))
+            out.append(Proposal(tokens, torch.stack(rows) if rows else step.probs[:0]))
+        return out
 
     @property
     def forward_seconds(self) -> float:
@@ -83,6 +134,57 @@ class ModelDrafter(Drafter):
                 logits = self.lm.forward([token])
         self._cached = list(context) + tokens[:-1]
         return Proposal(tokens, torch.stack(rows) if rows else torch.empty(0, self.lm.vocab_size))
+
+    def score(self, context: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """One forward over the uncached tail of `context + tokens` (the glue decode)."""
+        keep = _common_prefix(self._cached, context, limit=len(context) - 1)
+        self.lm.rollback(keep)
+        logits = self.lm.forward(list(context[keep:]) + list(tokens), last_n=len(tokens) + 1)
+        self._cached = list(context) + list(tokens)
+        return logits
+
+    def propose_branches(self, context: Sequence[int], speculation: Sequence[int], forks: Sequence[tuple[int, int]],
+                         k: int, params: SamplingParams, uniforms: torch.Tensor,
+                         shape: ProposalShape | None = None) -> list[Proposal]:
+        """All branches in one tree forward per depth, sharing the prefix KV (SSD tree decode, §4.6).
+
+        The KV cache holds `context + speculation` (the glue); step i feeds one token per branch
+        into scratch slots past it, each branch attending to its fork's prefix and its own earlier
+        tokens only. Backends without a tree forward (transformers) use the per-branch default.
+        """
+        if not self.lm.supports_tree or not forks:
+            return super().propose_branches(context, speculation, forks, k, params, uniforms, shape)
+        if k < 1:
+            raise ValueError(f"each branch needs k >= 1 drafted tokens, got {k}")
+        glue = list(context) + list(speculation)
+        keep = _common_prefix(self._cached, glue, limit=len(glue))
+        self.lm.rollback(keep)
+        if keep < len(glue):
+            self.lm.forward(glue[keep:])
+        self._cached = glue
+        n, base = len(forks), len(glue)
+        depth = torch.tensor([d for d, _ in forks])
+        if depth.min() < 0 or depth.max() > len(speculation):
+            raise ValueError(f"fork depths must be in [0, {len(speculation)}]")
+        feed = torch.tensor([int(y) for _, y in forks])
+        # Key j is visible to branch b iff it is in b's prefix (j < len(context) + d_b) or it is
+        # one of b's own tree slots (base + i*n + b for earlier steps i).
+        visible = torch.arange(base)[None, :] < (len(context) + depth)[:, None]  # [n, base]
+        own = torch.zeros(n, 0, dtype=torch.bool)
+        eye = torch.eye(n, dtype=torch.bool)
+        tokens, rows = [], []
+        for i in range(k):
+            own = torch.cat([own, eye], dim=1)
+            logits = self.lm.forward_tree(feed.tolist(), (len(context) + depth + i).tolist(), base + i * n,
+                                          torch.cat([visible, own], dim=1))
+            probs = logits_to_probs(logits, params)
+            if shape is not None:
+                probs = shape(probs, i)
+            feed = sample_from(probs, uniforms[:, i])
+            tokens.append(feed)
+            rows.append(probs)
+        tokens_t, probs_t = torch.stack(tokens, dim=1), torch.stack(rows, dim=1)  # [n, k], [n, k, V]
+        return [Proposal(tokens_t[b].tolist(), probs_t[b]) for b in range(n)]
 
 
 class NgramDrafter(Drafter):
