@@ -22,7 +22,6 @@ class CausalLM(ABC):
     backend: str
     vocab_size: int
     supports_tree = False  # whether forward_tree exists (SSD's batched branch decode)
-    supports_tree = False  # whether forward_tree exists (SSD's batched branch decode)
 
     def __init__(self) -> None:
         self.length = 0  # tokens held in the KV cache
@@ -64,17 +63,6 @@ class CausalLM(ABC):
         if length < self.length:
             self._crop(self.length - length)
             self.length = length
-
-    def forward_tree(self, tokens: Sequence[int], positions: Sequence[int], slot: int,
-                     visible: torch.Tensor) -> torch.Tensor:
-        """Scratch forward for a token tree: logits [n, V] of every token, cache length unchanged.
-
-        Token j has rotary position `positions[j]`, its K/V go to cache slot `slot + j`
-        (slot >= length: past the committed tokens, so `rollback` by length stays valid), and it
-        attends to the keys where `visible[j]` ([n, slot + n] bool) is True. SSD decodes all
-        speculation-cache branches this way, one tree depth per call.
-        """
-        raise NotImplementedError(f"the {self.backend} backend has no tree forward")
 
     def forward_tree(self, tokens: Sequence[int], positions: Sequence[int], slot: int,
                      visible: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,8 @@ Measured numbers and the commands behind them: assets/FAST_BACKEND.md.
 
 from __future__ import annotations
 
-import weakref
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -280,17 +280,22 @@ class FastLlamaCausalLM(CausalLM):
     def _forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
         return self._decode(embeds.float().clone())
 
-    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+    def _decode(self, x: torch.Tensor, tree: tuple[torch.Tensor, int, torch.Tensor] | None = None) -> torch.Tensor:
         """Run the layers on input vectors x [n, hidden] at positions length..length+n; return the
-        final-norm hidden states [n, hidden]. x is consumed (the residual stream is updated in place)."""
-        w, pos, n = self.w, self.length, x.shape[0]
-        end = pos + n
-        self._ensure_capacity(end)
-        rope = self.rope[pos:end, None, :]
-        # Queries sit at the end of the key range: position pos+i sees keys 0..pos+i.
-        mask = None
-        if n > 1:
-            mask = torch.full((n, end), float("-inf")).triu_(diagonal=pos + 1)
+        final-norm hidden states [n, hidden]. x is consumed (the residual stream is updated in place).
+        `tree` = (rope rows, first cache slot, additive mask) replaces the causal layout (forward_tree)."""
+        w, n = self.w, x.shape[0]
+        if tree is None:
+            pos = self.length
+            end = pos + n
+            self._ensure_capacity(end)
+            rope = self.rope[pos:end, None, :]
+            # Queries sit at the end of the key range: position pos+i sees keys 0..pos+i.
+            mask = None
+            if n > 1:
+                mask = torch.full((n, end), float("-inf")).triu_(diagonal=pos + 1)
+        else:
+            rope, pos, mask = tree
         h = _rms_norm(x, w.layers[0].input_norm, w.eps)
         for i, layer in enumerate(w.layers):
             attn = _attention(layer.qkv(h), rope, self.k[i], self.v[i], pos, mask, w.n_heads, w.n_kv_heads)
@@ -310,7 +315,10 @@ class FastLlamaCausalLM(CausalLM):
         start = time.perf_counter()
         self._ensure_capacity(max(slot + n, max(positions) + 1))
         mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-        logits = self._decode(tokens, self.rope[torch.tensor(list(positions)), None, :], slot, mask, n)
+        rope = self.rope[torch.tensor(list(positions)), None, :]
+        h = self._decode(self.w.embed[torch.tensor(list(tokens))], (rope, slot, mask))
+        self.last_hidden = h
+        logits = self.w.lm_head(h)[:, : self.vocab_size]
         self.forward_seconds += time.perf_counter() - start
         self.num_forwards += 1
         return logits
