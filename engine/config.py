@@ -15,6 +15,8 @@ from engine.sampling import SamplingParams
 
 DECODE_METHODS = ("ar",) + METHODS
 MAX_SPECULATIVE_TOKENS = 64
+SSD_FANOUT_MODES = ("uniform", "geometric")
+SSD_BACKUPS = ("neural", "fast", "ngram", "adaptive")
 
 
 @dataclass
@@ -30,6 +32,13 @@ class SpecConfig:
     max_new_tokens: int = 128
     seed: int = 0
     inspect_top_n: int = 0  # candidates per token kept for the token inspector (0 = none)
+    # Saguaro SSD (ALGORITHMS.md §4), read only by engine.ssd; `method` is then the acceptance rule.
+    ssd_fanout: int = 3  # uniform fan-out F per position (the released engine's default)
+    ssd_fanout_mode: str = "uniform"  # uniform | geometric (Theorem 12)
+    ssd_budget: int = 0  # B = Σ F_k cache entries per sequence; 0 = F·(K+1)
+    ssd_power_r: float = 0.0  # power-law miss exponent r (Def. 11); 0 = fitted online from hits
+    downweight_c: float = 1.0  # Saguaro sampling C in (0, 1]; 1 = off (Def. 14)
+    ssd_backup: str = "neural"  # neural | fast | ngram | adaptive (Theorem 17)
 
     def validate(self) -> None:
         if self.method not in DECODE_METHODS:
@@ -48,6 +57,26 @@ class SpecConfig:
         if not isinstance(self.inspect_top_n, int) or self.inspect_top_n < 0:
             raise ValueError(f"inspect_top_n must be >= 0, got {self.inspect_top_n!r}")
         self.sampling  # SamplingParams validates temperature, top_k, top_p
+        self._validate_ssd()
+
+    def _validate_ssd(self) -> None:
+        for name in ("ssd_fanout", "ssd_budget"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.ssd_fanout_mode not in SSD_FANOUT_MODES:
+            raise ValueError(f"unknown fan-out mode {self.ssd_fanout_mode!r}; expected one of {', '.join(SSD_FANOUT_MODES)}")
+        if self.ssd_backup not in SSD_BACKUPS:
+            raise ValueError(f"unknown SSD backup {self.ssd_backup!r}; expected one of {', '.join(SSD_BACKUPS)}")
+        if not (isinstance(self.downweight_c, (int, float)) and 0.0 < self.downweight_c <= 1.0):
+            raise ValueError(f"downweight_c (Saguaro C) must be in (0, 1], got {self.downweight_c!r}")
+        if not (isinstance(self.ssd_power_r, (int, float)) and math.isfinite(self.ssd_power_r) and self.ssd_power_r >= 0):
+            raise ValueError(f"ssd_power_r must be a finite number >= 0 (0 = fitted online), got {self.ssd_power_r!r}")
+
+    @property
+    def ssd_cache_budget(self) -> int:
+        """B: the number of cached outcomes per sequence (Σ_k F_k, §4.3)."""
+        return self.ssd_budget or self.ssd_fanout * (self.num_speculative_tokens + 1)
 
     @property
     def sampling(self) -> SamplingParams:

@@ -47,6 +47,7 @@ class TokenEvent:
     kl: float  # KL(h || T) spent at this position, nats
     target_entropy: float  # H(T) at this position, nats
     candidates: tuple[Candidate, ...] = ()
+    sequence: int = 0  # row of the batch (SSD decodes several sequences together)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class RoundEvent:
     elapsed_seconds: float  # since the generation started (prefill included)
     config: dict = field(default_factory=dict)
     config_changes: tuple[str, ...] = ()  # fields changed since the previous round (live tuning)
+    sequence: int = 0
 
     @property
     def overhead_seconds(self) -> float:
@@ -83,3 +85,45 @@ class FinishEvent:
     token_ids: tuple[int, ...]
     metrics: dict
     message: str = ""
+    sequence: int = 0
+
+
+@dataclass(frozen=True)
+class TimelineSpan:
+    """One busy interval of an SSD round, in seconds since the generation started."""
+
+    lane: str  # draft (serve / fill) | target (verify) | wait (target idle, waiting for the draft)
+    label: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SSDRoundEvent:
+    """Per SSD round: what the speculation cache did for each sequence, and the round's timeline.
+
+    The lookup of round r searches the cache filled during round r−1's verification; its keys
+    (k, y) and fan-out per depth are reported here. `rates` are the running Theorem-7 inputs.
+    """
+
+    round_index: int
+    hits: tuple[bool, ...]  # per sequence
+    sources: tuple[str, ...]  # cache | neural | fast | ngram | sync (degraded) per sequence
+    lookup_keys: tuple[tuple[int, int] | None, ...]  # the verified outcome (k, y) looked up
+    cache_keys: tuple[tuple[tuple[int, int], ...], ...]  # per sequence: the keys the cache held
+    fanouts: tuple[int, ...]  # F_0..F_K the searched cache was built with
+    num_emitted: tuple[int, ...]
+    timeline: tuple[TimelineSpan, ...]
+    hit_rate: float | None  # running, over all lookups so far
+    theoretical_speedup: float | None  # Theorem 7 with the measured rates
+    measured_speedup: float | None  # tokens per verification-time, measured
+    rates: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    """The draft worker's life: started, or lost (the loop degraded to synchronous drafting)."""
+
+    kind: str  # started | degraded
+    message: str
+    devices: str = ""

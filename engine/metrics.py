@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.events import RoundEvent
+from engine.ssd.theory import ssd_speedup
 
 
 @dataclass
@@ -83,3 +84,96 @@ class SpecMetrics:
 
 def _grow(counts: list[int], size: int) -> None:
     counts.extend([0] * (size - len(counts)))
+
+
+@dataclass
+class SSDMetrics:
+    """Speculation-cache counters for Theorem 7 (ALGORITHMS.md §4.2), one per SSD generation.
+
+    A lookup is a sequence-round whose previous outcome was searched in a cache (the first round of
+    each sequence is a forced miss and not a lookup). Latencies are per round: T_p = cache fill
+    time / the round's verification time; T_b = serve time of rounds that ran a backup / the same.
+    """
+
+    lookups: int = 0
+    hits: int = 0
+    rows_by_source: dict = field(default_factory=dict)  # source -> [rounds, tokens] per sequence-round
+    rounds: int = 0
+    new_tokens: int = 0
+    verify_seconds: float = 0.0
+    fill_seconds: float = 0.0
+    fill_rounds: int = 0
+    backup_seconds: float = 0.0
+    backup_rounds: int = 0
+    round_seconds: float = 0.0
+    verifications: int = 0  # sequence-rounds verified by the target
+
+    def add_row(self, source: str, looked_up: bool, emitted: int) -> None:
+        if looked_up:
+            self.lookups += 1
+            self.hits += source == "cache"
+        counts = self.rows_by_source.setdefault(source, [0, 0])
+        counts[0] += 1
+        counts[1] += emitted
+        self.new_tokens += emitted
+        self.verifications += 1
+
+    def add_round(self, verify_seconds: float, round_seconds: float, backup_seconds: float | None) -> None:
+        self.rounds += 1
+        self.verify_seconds += verify_seconds
+        self.round_seconds += round_seconds
+        if backup_seconds is not None:
+            self.backup_seconds += backup_seconds
+            self.backup_rounds += 1
+
+    def add_fill(self, seconds: float) -> None:
+        self.fill_seconds += seconds
+        self.fill_rounds += 1
+
+    def _tokens_per_round(self, sources: tuple[str, ...]) -> float | None:
+        rounds = sum(self.rows_by_source.get(s, [0, 0])[0] for s in sources)
+        tokens = sum(self.rows_by_source.get(s, [0, 0])[1] for s in sources)
+        return tokens / rounds if rounds else None
+
+    def rates(self) -> dict:
+        """The inputs of Theorem 7 / Theorem 17 measured so far (None where nothing was seen)."""
+        verify = self.verify_seconds / self.rounds if self.rounds else None
+        misses = tuple(s for s in self.rows_by_source if s != "cache")
+        return {
+            "p_hit": self.hits / self.lookups if self.lookups else None,
+            "e_hit": self._tokens_per_round(("cache",)),
+            "e_miss": self._tokens_per_round(misses),
+            "e_miss_neural": self._tokens_per_round(("neural",)),
+            "e_miss_fast": self._tokens_per_round(("fast",)),
+            "t_p": self.fill_seconds / self.fill_rounds / verify if verify and self.fill_rounds else None,
+            "t_b": self.backup_seconds / self.backup_rounds / verify if verify and self.backup_rounds else None,
+        }
+
+    def theoretical_speedup(self) -> float | None:
+        r = self.rates()
+        if r["p_hit"] is None or r["t_p"] is None:
+            return None
+        e_hit = r["e_hit"] if r["e_hit"] is not None else 0.0
+        e_miss = r["e_miss"] if r["e_miss"] is not None else 1.0
+        return ssd_speedup(r["p_hit"], e_hit, e_miss, r["t_p"], r["t_b"] or 0.0)
+
+    def measured_speedup(self) -> float | None:
+        """Tokens per verification-time: the measured counterpart of Theorem 7's speedup."""
+        if not self.round_seconds or not self.verifications:
+            return None
+        return self.new_tokens * (self.verify_seconds / self.verifications) / self.round_seconds
+
+    def summary(self) -> dict:
+        r = self.rates()
+        return {
+            "cache_hit_rate": r["p_hit"],
+            "cache_lookups": self.lookups,
+            "cache_hits": self.hits,
+            "tokens_per_round_hit": r["e_hit"],
+            "tokens_per_round_miss": r["e_miss"],
+            "rounds_by_source": {s: c[0] for s, c in self.rows_by_source.items()},
+            "t_p": r["t_p"],
+            "t_b": r["t_b"],
+            "theoretical_speedup": self.theoretical_speedup(),
+            "measured_speedup": self.measured_speedup(),
+        }

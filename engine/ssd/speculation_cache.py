@@ -1,0 +1,58 @@
+"""The speculation cache (ALGORITHMS.md §4.3, §4.6): verification outcome (k, y) -> next speculation.
+
+For a speculation x_1..x_n the outcome "k accepted, then y" has y drawn from the residual at
+position k+1 (k < n) or from T_{n+1} (k = n). Under SpS, Cactus and TAS a rejected x_{k+1} can
+never be the recovered token (its residual max(h − D, 0) is 0 once D(x) > h(x) caused the
+rejection; TAS recovers argmax T, which always passes its own test), so the guesses for k < n are
+the draft's top-F_k tokens *excluding* x_{k+1}; for k = n they are its top-F_n tokens after x_n.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.drafters import Proposal
+
+Key = tuple[int, int]  # (num_accepted k, next token y)
+
+
+def fork_keys(logits: torch.Tensor, speculation: Sequence[int], fanouts: Sequence[int]) -> list[Key]:
+    """Cache keys from the draft's logits [n+1, V] along the speculation (its glue decode).
+
+    Depth d < n uses F_d guesses; the bonus depth d = n uses the last fan-out entry (F_K), so a
+    speculation shorter than K (prompt lookup, the end of the budget) still gets its bonus guesses.
+    """
+    n = len(speculation)
+    if logits.shape[0] != n + 1:
+        raise ValueError(f"need {n + 1} logit rows for a speculation of {n} tokens, got {logits.shape[0]}")
+    keys: list[Key] = []
+    for d in range(n + 1):
+        f = min(fanouts[d] if d < n else fanouts[-1], logits.shape[-1] - 1)
+        if f <= 0:
+            continue
+        row = logits[d].float().clone()
+        if d < n:
+            row[speculation[d]] = float("-inf")
+        keys.extend((d, int(y)) for y in torch.topk(row, f).indices.tolist())
+    return keys
+
+
+@dataclass
+class SpeculationCache:
+    """One sequence's cache for one round: rebuilt from scratch each round (old entries dropped)."""
+
+    entries: dict[Key, Proposal] = field(default_factory=dict)
+    fanouts: tuple[int, ...] = ()
+
+    def lookup(self, key: Key, k: int) -> Proposal | None:
+        """The cached speculation for outcome `key`, cut to the current K; None on a miss."""
+        hit = self.entries.get(key)
+        if hit is None:
+            return None
+        return Proposal(hit.tokens[:k], hit.probs[:k])
+
+    def keys(self) -> tuple[Key, ...]:
+        return tuple(self.entries)

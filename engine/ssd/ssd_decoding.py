@@ -1,0 +1,444 @@
+"""The SSD decoding loop: the target verifies in this process while the draft worker fills its cache.
+
+Per round and sequence: send the last verified outcome (k, y) to the worker, which answers at once
+from its speculation cache (a hit) or with a backup speculation (a miss), then — while the target
+verifies that speculation here — drafts the next speculation for every likely outcome. Verification
+is the ordinary rule (SpS by default; TAS and Cactus as options) against the exact distribution D'
+each token was sampled from (Saguaro-modified or not), so SSD with SpS is lossless.
+
+Batches: several sequences are decoded together and every sequence has its own hit or miss, but
+what is batched is the protocol, not the arithmetic. The target verifies the sequences one after
+another (a `CausalLM` holds one sequence's cache), and the worker fills each sequence's cache with
+one tree pass of its own. With the neural backup any miss delays the reply for the whole batch,
+as in the released engine; that is the effect Theorem 17's adaptive backup weighs.
+
+If the worker dies or stops answering, the loop says so in a `WorkerEvent` and finishes the
+generation with synchronous drafting in this process (the next generation starts a new worker).
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from engine.acceptance import RandomDraws, verify
+from engine.config import SpecConfig
+from engine.decoding import _token_events
+from engine.detokenize import IncrementalDetokenizer
+from engine.drafters import Drafter, Proposal
+from engine.events import FinishEvent, RoundEvent, SSDRoundEvent, StartEvent, TimelineSpan, TokenEvent, WorkerEvent
+from engine.metrics import SpecMetrics, SSDMetrics
+from engine.models.causal_lm import CausalLM, HFCausalLM
+from engine.models.registry import DEFAULT_FAST_WEIGHTS, ModelPair
+from engine.sampling import logits_to_probs
+from engine.ssd.backups import resolve_backup
+from engine.ssd.devices import DeviceSpec, default_devices, parse_device, pinned
+from engine.ssd.fanout import FanoutPlanner
+from engine.ssd.worker import (BuildReport, DrafterSpec, RoundReply, RoundRequest, SeqRequest, StartRequest,
+                               WorkerInfo, worker_main)
+
+SSDEvent = StartEvent | TokenEvent | RoundEvent | SSDRoundEvent | WorkerEvent | FinishEvent
+POLL_SECONDS = 0.02
+
+
+class WorkerLost(RuntimeError):
+    """The draft worker exited, crashed, or did not answer in time."""
+
+
+@dataclass
+class _Row:
+    """One sequence of the batch: its target, text and what the worker must be told next."""
+
+    target: CausalLM
+    context: list[int]
+    generator: torch.Generator
+    detok: IncrementalDetokenizer
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    generated: list[int] = field(default_factory=list)
+    pending_logits: torch.Tensor | None = None
+    commit: list[int] = field(default_factory=list)
+    outcome: tuple[int, int] | None = None
+    served_length: int = 0  # length of the speculation the worker served last (before any cut)
+    hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # all target features (for a degrade)
+    unsent_hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    local_drafter: Drafter | None = None
+    finished: str | None = None
+
+
+class SSDEngine:
+    """Target here, draft in a worker process on its own device; reusable across generations.
+
+    `target_device` / `draft_device` take `cpu:N`, `cpu:N-M` or `cuda:N` (default: the draft gets
+    the last core, the target the others). The worker rebuilds the drafter from the registry pair
+    name, so SSD runs on registry pairs (`tiny`, `default`).
+    """
+
+    def __init__(self, pair: ModelPair, *, drafter_kind: str = "model", backend: str = "auto",
+                 weight_dtype: str = DEFAULT_FAST_WEIGHTS, target_device: str | DeviceSpec | None = None,
+                 draft_device: str | DeviceSpec | None = None, reply_timeout: float = 120.0,
+                 start_timeout: float = 300.0) -> None:
+        if pair.name not in ("tiny", "default"):
+            raise ValueError(f"SSD runs on the registry pairs 'tiny' and 'default' (the draft worker loads the pair "
+                             f"by name); got {pair.name!r}")
+        default_target, default_draft = default_devices() if not (target_device and draft_device) else (None, None)
+        self.target_device = _device(target_device, default_target)
+        self.draft_device = _device(draft_device, default_draft)
+        if set(self.target_device.cores) & set(self.draft_device.cores):
+            raise ValueError(f"target {self.target_device} and draft {self.draft_device} share cores; SSD needs them apart")
+        self.pair = pair
+        self.spec = DrafterSpec(pair.name, drafter_kind, backend, weight_dtype)
+        self.backend, self.weight_dtype = backend, weight_dtype
+        self.reply_timeout, self.start_timeout = reply_timeout, start_timeout
+        self.info: WorkerInfo | None = None
+        self._process: mp.process.BaseProcess | None = None
+        self._conn = None
+        self._targets: list[CausalLM] = []
+        self._lock = threading.Lock()  # one generation at a time per engine (one worker)
+
+    # -- worker lifecycle ------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def devices(self) -> str:
+        return f"target={self.target_device.describe()}, draft={self.draft_device.describe()}"
+
+    def start(self) -> WorkerInfo:
+        """Spawn the worker (a fresh interpreter: forking a process with torch threads can deadlock)."""
+        if self.alive and self.info is not None:
+            return self.info
+        self.close()
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._process = ctx.Process(target=worker_main, args=(self.spec, self.draft_device, child), daemon=True,
+                                    name="ssd-draft-worker")
+        self._process.start()
+        child.close()
+        self._conn = parent
+        self.info = self._receive(WorkerInfo, self.start_timeout)
+        return self.info
+
+    def close(self) -> None:
+        """Ask the worker to exit; kill it if it does not."""
+        if self._conn is not None:
+            try:
+                self._conn.send(None)
+            except (OSError, EOFError):
+                pass
+        if self._process is not None:
+            self._process.join(timeout=5)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(timeout=5)
+        if self._conn is not None:
+            self._conn.close()
+        self._process, self._conn, self.info = None, None, None
+
+    def __enter__(self) -> "SSDEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, msg: object) -> None:
+        try:
+            self._conn.send(msg)
+        except (OSError, EOFError, ValueError, AttributeError) as err:
+            raise WorkerLost(f"could not reach the draft worker: {err}") from err
+
+    def _receive(self, kind: type, timeout: float, builds: list[BuildReport] | None = None):
+        """The next message of type `kind`; BuildReports met on the way are collected in `builds`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ready = self._conn.poll(POLL_SECONDS)
+                msg = self._conn.recv() if ready else None
+            except (OSError, EOFError, AttributeError) as err:
+                raise WorkerLost(f"the draft worker's pipe closed ({type(err).__name__})") from err
+            if isinstance(msg, Exception):
+                raise WorkerLost(f"the draft worker failed: {msg}")
+            if isinstance(msg, kind):
+                return msg
+            if isinstance(msg, BuildReport) and builds is not None:
+                builds.append(msg)
+                continue
+            if msg is None:
+                if not self.alive:
+                    code = self._process.exitcode if self._process is not None else None
+                    raise WorkerLost(f"the draft worker exited (exit code {code})")
+                if time.monotonic() > deadline:
+                    raise WorkerLost(f"the draft worker did not answer within {timeout:.0f} s")
+
+    # -- generation ------------------------------------------------------------------------------
+    def _make_targets(self, n: int) -> list[CausalLM]:
+        while len(self._targets) < n:
+            if self.target_device.kind == "cuda":
+                model = copy.deepcopy(self.pair.target_model).to(self.target_device.torch_device)
+                self._targets.append(HFCausalLM(model, f"{self.pair.name}/target", self.pair.vocab_size))
+            else:
+                self._targets.append(self.pair.make_target(self.backend, self.weight_dtype))
+        return self._targets[:n]
+
+    def generate(self, prompts: Sequence[Sequence[int]], config: SpecConfig, *,
+                 eos_token_ids: frozenset[int] = frozenset(), stop: threading.Event | None = None) -> Iterator[SSDEvent]:
+        """Decode every prompt of the batch; events carry `sequence` (the prompt's index)."""
+        cfg = config.snapshot()
+        if cfg.method == "ar":
+            raise ValueError("SSD verifies speculations: choose an acceptance rule (sps, tas or cactus), not 'ar'")
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("every prompt of the batch needs at least one token")
+        vocab = self.pair.vocab_size
+        if any(not 0 <= t < vocab for p in prompts for t in p):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if not self._lock.acquire(blocking=False):
+            raise ValueError("this SSD engine is already generating; one generation at a time per draft worker")
+        try:
+            with pinned(self.target_device):
+                yield from self._generate([list(p) for p in prompts], config, cfg, eos_token_ids, stop)
+        finally:
+            self._lock.release()
+
+    def _generate(self, prompts: list[list[int]], config: SpecConfig, cfg: SpecConfig, eos: frozenset[int],
+                  stop: threading.Event | None) -> Iterator[SSDEvent]:
+        start = time.perf_counter()
+        worker_ok = True
+        try:
+            if not self.alive:
+                info = self.start()
+                yield WorkerEvent("started", f"draft worker {info.drafter} ({info.backend}) on {info.device}",
+                                  self.devices())
+            self._send(StartRequest(prompts, int(cfg.seed)))
+        except WorkerLost as err:
+            worker_ok = False
+            yield WorkerEvent("degraded", f"{err}; drafting synchronously in the target process", self.devices())
+        observes = bool(self.info and self.info.needs_target_features)
+        rows = []
+        for i, (prompt, target) in enumerate(zip(prompts, self._make_targets(len(prompts)))):
+            target.reset()
+            target.keep_hidden = observes
+            row = _Row(target, list(prompt), torch.Generator().manual_seed(int(cfg.seed) + i),
+                       IncrementalDetokenizer(self.pair.tokenizer), commit=list(prompt))
+            row.pending_logits = target.forward(prompt)
+            if observes:
+                row.hidden.append((0, target.last_hidden))
+                row.unsent_hidden.append((0, target.last_hidden))
+            rows.append(row)
+        if not worker_ok:
+            self._degrade(rows)
+        prefill_seconds = time.perf_counter() - start
+        first_target = rows[0].target
+        yield StartEvent(sum(map(len, prompts)), prefill_seconds, first_target.name,
+                         self.info.drafter if self.info else self.spec.kind, first_target.backend_label, self.devices())
+
+        planner, ssd = FanoutPlanner(), SSDMetrics()
+        previous, round_index = cfg, 0
+        while any(r.finished is None for r in rows):
+            if stop is not None and stop.is_set():
+                for r in rows:
+                    r.finished = r.finished or "stopped"
+                break
+            round_start = time.perf_counter()
+            cfg = config.snapshot()
+            if cfg.method == "ar":
+                raise ValueError("SSD cannot switch to 'ar' mid-generation; pick sps, tas or cactus")
+            k = cfg.num_speculative_tokens
+            fanouts = tuple(planner.plan(cfg.ssd_fanout_mode, cfg.ssd_cache_budget, k, cfg.ssd_power_r))
+            active = [r for r in rows if r.finished is None]
+            backup = resolve_backup(cfg.ssd_backup, len(active), ssd.rates())
+            spans: list[TimelineSpan] = []
+            reply, builds = None, []
+            if worker_ok:
+                try:
+                    wait_start = time.perf_counter()
+                    self._send(RoundRequest(k, cfg.sampling, fanouts, float(cfg.downweight_c), backup, vocab_size=self.pair.vocab_size,
+                                            items=[self._request(r) if r.finished is None else None for r in rows]))
+                    reply = self._receive(RoundReply, self.reply_timeout, builds)
+                    spans.append(TimelineSpan("wait", "waiting for the draft", wait_start - start,
+                                              time.perf_counter() - start))
+                    spans.append(TimelineSpan("draft", "serve", reply.serve[0] - start, reply.serve[1] - start))
+                except WorkerLost as err:
+                    worker_ok, reply = False, None
+                    yield WorkerEvent("degraded", f"{err}; finishing with synchronous drafting in the target process",
+                                      self.devices())
+                    self._degrade(rows)
+            for b in builds:
+                spans.append(TimelineSpan("draft", f"cache fill ({b.branches} branches)", b.interval[0] - start,
+                                          b.interval[1] - start))
+                ssd.add_fill(b.interval[1] - b.interval[0])
+
+            hits, sources, lookup_keys, cache_keys, emitted, searched = [], [], [], [], [], ()
+            verify_seconds, events = 0.0, []
+            for i, row in enumerate(rows):
+                if row.finished is not None:
+                    continue
+                item = reply.items[i] if reply is not None else None
+                looked_up = item is not None and row.outcome is not None and bool(item.cache_keys)
+                if item is not None:
+                    probs = (torch.from_numpy(item.probs) if item.probs is not None
+                             else _point_masses(item.tokens, self.pair.vocab_size))
+                    proposal, source = Proposal(list(item.tokens), probs), item.source
+                    if looked_up:
+                        planner.observe_lookup(_fanout_at(item.cache_fanouts, row.outcome[0], row.served_length),
+                                               source == "cache")
+                    row.served_length = len(item.tokens)
+                    searched = searched or tuple(item.cache_fanouts)
+                else:
+                    proposal, source = None, "sync"
+                lookup_keys.append(row.outcome if looked_up else None)
+                cache_keys.append(tuple(item.cache_keys) if item is not None else ())
+                verify_before = row.target.forward_seconds
+                events += self._round(row, i, cfg, previous, proposal, round_index, round_start, start, eos, spans)
+                verify_seconds += row.target.forward_seconds - verify_before
+                last = events[-1]
+                planner.observe_round(last.num_accepted, last.num_draft_tokens)
+                ssd.add_row(source, looked_up, last.num_emitted)
+                hits.append(source == "cache")
+                sources.append(source)
+                emitted.append(last.num_emitted)
+            missed = reply is not None and any(s != "cache" for s in sources)
+            ssd.add_round(verify_seconds, time.perf_counter() - round_start,
+                          reply.serve[1] - reply.serve[0] if missed else None)
+            yield from events
+            yield SSDRoundEvent(
+                round_index=round_index, hits=tuple(hits), sources=tuple(sources), lookup_keys=tuple(lookup_keys),
+                cache_keys=tuple(cache_keys),
+                fanouts=searched,
+                num_emitted=tuple(emitted), timeline=tuple(spans), hit_rate=ssd.rates()["p_hit"],
+                theoretical_speedup=ssd.theoretical_speedup(), measured_speedup=ssd.measured_speedup(),
+                rates=ssd.rates() | {"acceptance": planner.acceptance, "power_r": planner.power_r(cfg.ssd_power_r),
+                                     "next_fanouts": fanouts, "backup": backup},
+            )
+            previous = cfg
+            round_index += 1
+
+        elapsed = time.perf_counter() - start
+        summary = ssd.summary() | {"devices": self.devices(), "batch_size": len(rows), "worker_alive": worker_ok}
+        for i, row in enumerate(rows):
+            yield FinishEvent(row.finished or "max_new_tokens", row.detok.text(), tuple(row.generated),
+                              row.metrics.summary(elapsed, prefill_seconds) | summary, sequence=i)
+
+    def _request(self, row: _Row) -> SeqRequest:
+        hidden_start, hidden = 0, None
+        if row.unsent_hidden:
+            hidden_start = row.unsent_hidden[0][0]
+            hidden = torch.cat([h for _, h in row.unsent_hidden]).to(torch.float16).cpu().numpy()
+            row.unsent_hidden = []
+        request = SeqRequest(row.commit, row.outcome, hidden_start, hidden)
+        row.commit = []
+        return request
+
+    def _degrade(self, rows: list[_Row]) -> None:
+        """Local drafters in this process, brought up to date with every target feature seen so far."""
+        for row in rows:
+            if row.local_drafter is None:
+                row.local_drafter = self.pair.make_drafter(self.spec.kind, self.backend, self.weight_dtype)
+                row.local_drafter.start()
+                if row.local_drafter.needs_target_features:
+                    row.target.keep_hidden = True
+                    for start, hidden in row.hidden:
+                        row.local_drafter.observe_target(start, hidden)
+
+    def _round(self, row: _Row, sequence: int, cfg: SpecConfig, previous: SpecConfig, proposal: Proposal | None,
+               round_index: int, round_start: float, start: float, eos: frozenset[int],
+               spans: list[TimelineSpan]) -> list[TokenEvent | RoundEvent]:
+        """Verify one sequence's speculation with the target (the same round as engine.decoding)."""
+        params = cfg.sampling
+        remaining = cfg.max_new_tokens - len(row.generated)
+        k = min(cfg.num_speculative_tokens, remaining - 1)
+        vocab = row.target.vocab_size
+        draft_before = time.perf_counter()
+        if proposal is None:  # degraded: draft synchronously here
+            proposal = Proposal([], torch.empty(0, vocab))
+            if k > 0:
+                proposal = row.local_drafter.propose(row.context, k, params, torch.rand(k, generator=row.generator))
+        proposal = Proposal(proposal.tokens[:max(k, 0)], proposal.probs[:max(k, 0)])
+        draft_seconds = time.perf_counter() - draft_before
+        k = len(proposal.tokens)
+
+        verify_start = time.perf_counter()
+        fed_from = row.target.length
+        feed = ([] if row.pending_logits is not None else [row.context[-1]]) + proposal.tokens
+        logits = row.target.forward(feed, last_n=len(feed)) if feed else row.pending_logits[:0]
+        if row.pending_logits is not None:
+            logits = torch.cat([row.pending_logits, logits])
+        row.pending_logits = None
+        target_probs = logits_to_probs(logits, params)
+        proposal = Proposal(proposal.tokens, proposal.probs.to(target_probs.device))
+        result = verify(cfg.method, target_probs.unsqueeze(0), proposal.probs.unsqueeze(0),
+                        torch.tensor([proposal.tokens], dtype=torch.long, device=target_probs.device),
+                        delta=cfg.delta, posterior_threshold=cfg.posterior_threshold,
+                        posterior_alpha=cfg.posterior_alpha, draws=RandomDraws.draw(1, k, row.generator))
+        num_accepted = int(result.num_accepted[0])
+        row.target.rollback(len(row.context) + num_accepted)
+        if row.target.keep_hidden and feed:
+            hidden = (fed_from, row.target.last_hidden[: row.target.length - fed_from])
+            row.hidden.append(hidden)
+            if row.local_drafter is not None:
+                row.local_drafter.observe_target(*hidden)
+            else:
+                row.unsent_hidden.append(hidden)
+        verify_end = time.perf_counter()
+        spans.append(TimelineSpan("target", f"verify seq {sequence}", verify_start - start, verify_end - start))
+
+        new_tokens = proposal.tokens[:num_accepted] + [int(result.next_tokens[0])]
+        for j, token in enumerate(new_tokens):
+            if token in eos:
+                new_tokens, row.finished = new_tokens[: j + 1], "eos"
+                break
+        token_events = [replace(e, sequence=sequence) for e in _token_events(
+            cfg, result, target_probs, proposal, new_tokens, num_accepted, len(row.generated), round_index,
+            row.detok, self.pair.tokenizer)]
+        row.outcome = (num_accepted, new_tokens[-1])
+        row.commit.extend(new_tokens)
+        row.context.extend(new_tokens)
+        row.generated.extend(new_tokens)
+        if row.finished is None and len(row.generated) >= cfg.max_new_tokens:
+            row.finished = "max_new_tokens"
+        rejected = proposal.tokens[num_accepted] if num_accepted < k else None
+        counted = min(k, len(new_tokens)) if row.finished == "eos" and len(new_tokens) <= num_accepted else k
+        event = RoundEvent(
+            round_index=round_index, method=cfg.method, num_speculative_tokens=cfg.num_speculative_tokens,
+            num_draft_tokens=counted, draft_token_ids=tuple(proposal.tokens[:counted]),
+            num_accepted=min(num_accepted, counted), num_emitted=len(new_tokens),
+            accepted_positions=tuple(bool(a) for a in result.accepted[0, :counted].tolist()),
+            rejected_token_id=rejected,
+            rejected_text=None if rejected is None else self.pair.tokenizer.decode([rejected]),
+            kl=sum(e.kl for e in token_events), draft_seconds=draft_seconds,
+            verify_seconds=verify_end - verify_start, target_forwards=int(bool(feed)),
+            round_seconds=time.perf_counter() - round_start, elapsed_seconds=time.perf_counter() - start,
+            config=cfg.as_dict(), config_changes=cfg.changed_fields(previous) if round_index else (),
+            sequence=sequence,
+        )
+        row.metrics.add_round(event)
+        return token_events + [event]
+
+
+def _point_masses(tokens: Sequence[int], vocab: int) -> torch.Tensor:
+    """One-hot rows: the D' of greedy drafts and of random / prompt-lookup backups."""
+    probs = torch.zeros(len(tokens), vocab)
+    if tokens:
+        probs[torch.arange(len(tokens)), torch.tensor(list(tokens))] = 1.0
+    return probs
+
+
+def _fanout_at(fanouts: Sequence[int], k: int, served: int) -> int:
+    """F of the cache depth the true outcome fell on (the bonus depth uses the last entry)."""
+    if not fanouts:
+        return 0
+    return fanouts[k] if k < served and k < len(fanouts) else fanouts[-1]
+
+
+def _device(value: str | DeviceSpec | None, fallback: DeviceSpec) -> DeviceSpec:
+    if isinstance(value, DeviceSpec):
+        return value
+    return parse_device(value) if value else fallback
