@@ -5,7 +5,9 @@ repeat so that machine drift hits every method alike; timing columns are medians
 Peer rows run Hugging Face `generate()` on the same weights and threads: `hf-ar` (plain decoding)
 and `hf-assisted` (`assistant_model=` with the same draft and K, or `prompt_lookup_num_tokens=K`
 for the n-gram drafter), so we know where we stand against what users already have; `llama.cpp`
-(optional, needs llama-cpp-python) runs the default target's own GGUF.
+(optional, needs llama-cpp-python) runs the default target's own GGUF. `ssd` runs Saguaro SSD
+(engine.ssd) with the draft in a worker pinned to its own device (`--devices`) and the acceptance
+rule `--ssd-rule`; its rows add the cache hit rate and the Theorem-7 speedups.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from transformers import GenerationConfig
 
 from engine.cli import add_spec_arguments, spec_config_from_args
-from engine.config import DECODE_METHODS, SpecConfig
+from engine.config import DECODE_METHODS, SSD_BACKUPS, SSD_FANOUT_MODES, SpecConfig
 from engine.decoding import describe_device, generate
 from engine.events import FinishEvent
 from engine.models.embedded import gguf_path
@@ -33,6 +35,7 @@ from engine.models.registry import BACKENDS, DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS
 from engine.prompts import held_out_prompts
 
 PEER_METHODS = ("hf-ar", "hf-assisted", "llama.cpp")
+SSD_METHOD = "ssd"
 SUM_KEYS = ("new_tokens", "num_rounds", "target_forwards", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
             "kl_total", "elapsed_seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "overhead_seconds")
 TIMED_KEYS = ("tokens_per_s", "decode_tokens_per_s", "overhead_fraction", "draft_ms_per_token",
@@ -71,6 +74,50 @@ def _derive(t: dict, devices: str) -> dict:
         "verify_ms_per_round": 1e3 * t["verify_seconds"] / t["target_forwards"] if t["target_forwards"] else None,
         "devices": devices,
     }
+
+
+_SSD_ENGINES: dict = {}
+
+
+def run_ssd(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: SpecConfig, drafter: str,
+            ignore_eos: bool, backend: str = "auto", weight_dtype: str = DEFAULT_FAST_WEIGHTS, *,
+            devices: str = "", batch_size: int = 1, rule: str = "sps") -> dict:
+    """SSD over all prompts in batches; one worker per (pair, drafter, devices), kept across repeats."""
+    from engine.ssd.devices import default_devices, parse_devices
+    from engine.ssd.ssd_decoding import SSDEngine
+
+    target_device, draft_device = parse_devices(devices) if devices else default_devices()
+    key = (pair.name, drafter, backend, weight_dtype, str(target_device), str(draft_device))
+    if key not in _SSD_ENGINES:
+        _SSD_ENGINES[key] = SSDEngine(pair, drafter_kind=drafter, backend=backend, weight_dtype=weight_dtype,
+                                      target_device=target_device, draft_device=draft_device)
+    engine = _SSD_ENGINES[key]
+    totals = dict.fromkeys(SUM_KEYS, 0.0)
+    hits = lookups = 0
+    theory, measured = [], []
+    eos = frozenset() if ignore_eos else pair.eos_token_ids
+    for start in range(0, len(prompts), batch_size):
+        run_cfg = replace(cfg, method=rule, seed=cfg.seed + start)
+        finishes = [e for e in engine.generate(prompts[start:start + batch_size], run_cfg, eos_token_ids=eos)
+                    if isinstance(e, FinishEvent)]
+        for i, finish in enumerate(finishes):
+            for k in SUM_KEYS:  # the batch shares one clock: count its time once
+                if i == 0 or k not in ("elapsed_seconds", "prefill_seconds"):
+                    totals[k] += finish.metrics[k]
+        m = finishes[0].metrics
+        hits, lookups = hits + m["cache_hits"], lookups + m["cache_lookups"]
+        theory += [m["theoretical_speedup"]] if m["theoretical_speedup"] is not None else []
+        measured += [m["measured_speedup"]] if m["measured_speedup"] is not None else []
+    row = _derive(totals, engine.devices()) | {"backend": f"{engine.info.backend if engine.info else backend}"}
+    return row | {"cache_hit_rate": hits / lookups if lookups else None, "batch_size": batch_size, "ssd_rule": rule,
+                  "theoretical_speedup": statistics.mean(theory) if theory else None,
+                  "measured_speedup": statistics.mean(measured) if measured else None}
+
+
+def close_ssd_engines() -> None:
+    for engine in _SSD_ENGINES.values():
+        engine.close()
+    _SSD_ENGINES.clear()
 
 
 def run_peer(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: SpecConfig, drafter: str,
@@ -174,10 +221,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="our engine's model backend (auto = fast where supported); peers always use transformers")
     ap.add_argument("--weight-dtype", default=DEFAULT_FAST_WEIGHTS, choices=WEIGHT_DTYPES,
                     help="weight format of the fast backend (float32 is the reference)")
-    ap.add_argument("--methods", default="ar,sps,tas,cactus", help=f"comma list of {', '.join(DECODE_METHODS)}")
+    ap.add_argument("--methods", default="ar,sps,tas,cactus",
+                    help=f"comma list of {', '.join(DECODE_METHODS + (SSD_METHOD,))}")
     ap.add_argument("--peers", default="hf-ar,hf-assisted",
                     help="comma list of hf-ar, hf-assisted, llama.cpp (needs llama-cpp-python) ('' for none)")
     add_spec_arguments(ap)
+    ssd = ap.add_argument_group("SSD (method ssd)")
+    ssd.add_argument("--devices", default="", help="target=<dev>,draft=<dev> with dev cpu:N, cpu:N-M or cuda:N "
+                     "(default: the draft gets the last core, the target the others)")
+    ssd.add_argument("--ssd-rule", default="sps", choices=("sps", "tas", "cactus"), help="acceptance rule inside SSD")
+    ssd.add_argument("--fanout", type=int, default=3, help="uniform fan-out F per position")
+    ssd.add_argument("--fanout-mode", default="uniform", choices=SSD_FANOUT_MODES)
+    ssd.add_argument("--budget", type=int, default=0, help="cache budget B = Σ F_k (0 = F·(K+1))")
+    ssd.add_argument("--power-r", type=float, default=0.0, help="power-law exponent r (0 = fitted online)")
+    ssd.add_argument("--downweight-c", type=float, default=1.0, help="Saguaro sampling C in (0, 1] (1 = off)")
+    ssd.add_argument("--backup", default="neural", choices=SSD_BACKUPS)
+    ssd.add_argument("--batch-size", type=int, default=1, help="sequences SSD decodes together")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="timing columns are medians over repeats")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
@@ -191,42 +250,58 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     methods = [m for m in args.methods.split(",") if m]
     peers = [m for m in args.peers.split(",") if m]
     for m in methods:
-        if m not in DECODE_METHODS:
-            raise SystemExit(f"unknown method {m!r}; expected one of {', '.join(DECODE_METHODS)}")
+        if m not in DECODE_METHODS + (SSD_METHOD,):
+            raise SystemExit(f"unknown method {m!r}; expected one of {', '.join(DECODE_METHODS + (SSD_METHOD,))}")
     for m in peers:
         if m not in PEER_METHODS:
             raise SystemExit(f"unknown peer {m!r}; expected one of {', '.join(PEER_METHODS)}")
-    if args.prompts < 1 or args.repeats < 1:
-        raise SystemExit("--prompts and --repeats must be >= 1")
+    if args.prompts < 1 or args.repeats < 1 or args.batch_size < 1:
+        raise SystemExit("--prompts, --repeats and --batch-size must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = spec_config_from_args(args)
+    cfg = replace(spec_config_from_args(args), ssd_fanout=args.fanout, ssd_fanout_mode=args.fanout_mode,
+                  ssd_budget=args.budget, ssd_power_r=args.power_r, downweight_c=args.downweight_c,
+                  ssd_backup=args.backup)
     try:
         cfg.validate()
+        if SSD_METHOD in methods and args.devices:
+            from engine.ssd.devices import parse_devices
+
+            parse_devices(args.devices)
         pair = load_pair(args.pair, args.target, args.draft)
         prompts = [pair.encode_prompt(p) for p in held_out_prompts(args.prompts)]
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
 
     runs: dict[str, list[dict]] = {m: [] for m in methods + peers}
-    for rep in range(args.repeats):
-        for m in methods + peers:
-            runner = PEER_RUNNERS.get(m, run_engine)
-            runs[m].append(runner(pair, m, prompts, cfg, args.drafter, args.ignore_eos, args.backend,
-                                  args.weight_dtype))
-            print(f"[bench] repeat {rep + 1}/{args.repeats} {m}: {runs[m][-1]['tokens_per_s']:.2f} tok/s",
-                  file=sys.stderr, flush=True)
+    ssd_args = dict(devices=args.devices, batch_size=args.batch_size, rule=args.ssd_rule)
+    try:
+        for rep in range(args.repeats):
+            for m in methods + peers:
+                runner = run_ssd if m == SSD_METHOD else PEER_RUNNERS.get(m, run_engine)
+                extra = ssd_args if m == SSD_METHOD else {}
+                runs[m].append(runner(pair, m, prompts, cfg, args.drafter, args.ignore_eos, args.backend,
+                                      args.weight_dtype, **extra))
+                print(f"[bench] repeat {rep + 1}/{args.repeats} {m}: {runs[m][-1]['tokens_per_s']:.2f} tok/s",
+                      file=sys.stderr, flush=True)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from err
+    finally:
+        close_ssd_engines()
 
     rows = []
     for m, reps in runs.items():
         row = dict(reps[0])
-        for key in TIMED_KEYS:
+        for key in TIMED_KEYS + (("cache_hit_rate", "theoretical_speedup", "measured_speedup") if m == SSD_METHOD else ()):
             values = [r[key] for r in reps if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
         row.update(method=m, pair=pair.name, drafter="-" if m in ("ar", "hf-ar", "llama.cpp") else args.drafter, k=args.k,
                    delta=args.delta if m == "cactus" else None, temperature=args.temperature,
                    top_p=args.top_p, top_k=args.top_k, prompts=args.prompts, repeats=args.repeats,
                    threads=torch.get_num_threads(), tokens_per_s_runs=[r["tokens_per_s"] for r in reps])
+        if m == SSD_METHOD:
+            row.update(fanout=args.fanout, fanout_mode=args.fanout_mode, budget=cfg.ssd_cache_budget,
+                       downweight_c=args.downweight_c, backup=args.backup)
         rows.append(row)
     base = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)
     for row in rows:
@@ -234,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     table = pd.DataFrame(rows).set_index("method")
     cols = ["tokens_per_s", "speedup_vs_ar", "new_tokens", "mean_acceptance_length", "draft_acceptance_rate",
             "target_forwards_per_token", "mean_kl_per_token", "overhead_fraction", "draft_ms_per_token",
-            "verify_ms_per_round", "backend", "devices"]
+            "verify_ms_per_round", "cache_hit_rate", "theoretical_speedup", "measured_speedup", "backend", "devices"]
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
         print(table[[c for c in cols if c in table.columns]])
     if args.json:

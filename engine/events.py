@@ -107,7 +107,8 @@ class SSDRoundEvent:
     """
 
     round_index: int
-    hits: tuple[bool, ...]  # per sequence
+    sequences: tuple[int, ...]  # the batch rows still decoding; the per-row tuples follow this order
+    hits: tuple[bool, ...]
     sources: tuple[str, ...]  # cache | neural | fast | ngram | sync (degraded) per sequence
     lookup_keys: tuple[tuple[int, int] | None, ...]  # the verified outcome (k, y) looked up
     cache_keys: tuple[tuple[tuple[int, int], ...], ...]  # per sequence: the keys the cache held

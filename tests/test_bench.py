@@ -42,3 +42,27 @@ def test_llama_cpp_peer_row_runs_the_embedded_gguf_or_says_what_it_needs(tmp_pat
     rows = {r["method"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
     assert rows["llama.cpp"]["new_tokens"] == 8 and rows["llama.cpp"]["tokens_per_s"] > 0
     assert rows["llama.cpp"]["backend"] == "llama.cpp (GGUF Q4_1)"
+
+
+def test_bench_runs_ssd_next_to_sps_with_devices_and_hit_rate(tmp_path):
+    import json
+
+    from engine.bench import main
+
+    out = tmp_path / "rows.json"
+    main(["--pair", "tiny", "--methods", "sps,ssd", "--peers", "", "--devices", "target=cpu:0,draft=cpu:1",
+          "--prompts", "2", "--repeats", "1", "--max-new-tokens", "12", "--temperature", "0", "--batch-size", "2",
+          "--fanout-mode", "geometric", "--budget", "12", "--backup", "adaptive", "--json", str(out)])
+    rows = {r["method"]: r for r in json.loads(out.read_text())}
+    assert rows["ssd"]["new_tokens"] == rows["sps"]["new_tokens"] == 24
+    assert rows["ssd"]["cache_hit_rate"] is not None and rows["ssd"]["budget"] == 12
+    assert "draft=cpu:1" in rows["ssd"]["devices"] and rows["sps"].get("cache_hit_rate") is None
+
+
+def test_bench_refuses_bad_ssd_devices():
+    import pytest
+
+    from engine.bench import main
+
+    with pytest.raises(SystemExit, match="share cores"):
+        main(["--pair", "tiny", "--methods", "ssd", "--peers", "", "--devices", "target=cpu:0-1,draft=cpu:1"])

@@ -53,6 +53,7 @@ class WorkerInfo:
 class StartRequest:
     prompts: list[list[int]]
     seed: int
+    generation: int  # stamped on every reply, so a reply left over from an abandoned generation is ignored
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,14 @@ class SeqReply:
 
 @dataclass(frozen=True)
 class RoundReply:
+    generation: int
     items: list[SeqReply | None]
     serve: tuple[float, float]  # perf_counter interval spent serving (lookups and backups)
 
 
 @dataclass(frozen=True)
 class BuildReport:
+    generation: int
     interval: tuple[float, float]  # perf_counter interval of the cache fill (glue + tree decode)
     branches: int
 
@@ -138,6 +141,7 @@ def worker_main(spec: DrafterSpec, device: DeviceSpec, conn: Connection) -> None
 def _serve(spec: DrafterSpec, device: DeviceSpec, first: Drafter, conn: Connection) -> None:
     drafters = [first]
     seqs: list[_Sequence] = []
+    generation = -1
     while True:
         msg = conn.recv()
         if msg is None:
@@ -145,17 +149,17 @@ def _serve(spec: DrafterSpec, device: DeviceSpec, first: Drafter, conn: Connecti
         if isinstance(msg, StartRequest):
             while len(drafters) < len(msg.prompts):
                 drafters.append(_build_drafter(spec, device))
-            seqs = []
+            seqs, generation = [], msg.generation
             for i, _ in enumerate(msg.prompts):
                 drafters[i].start()
                 seqs.append(_Sequence(drafters[i], torch.Generator().manual_seed(msg.seed + 7919 * i)))
             continue
         start = time.perf_counter()
         replies = [None if item is None else _serve_one(seq, item, msg) for seq, item in zip(seqs, msg.items)]
-        conn.send(RoundReply(replies, (start, time.perf_counter())))
+        conn.send(RoundReply(generation, replies, (start, time.perf_counter())))
         start = time.perf_counter()
         branches = sum(_fill(seq, msg) for seq, item in zip(seqs, msg.items) if item is not None)
-        conn.send(BuildReport((start, time.perf_counter()), branches))
+        conn.send(BuildReport(generation, (start, time.perf_counter()), branches))
 
 
 def _serve_one(seq: _Sequence, item: SeqRequest, msg: RoundRequest) -> SeqReply:

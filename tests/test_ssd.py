@@ -1,0 +1,201 @@
+"""SSD building blocks: fan-out (Theorem 12), Saguaro sampling (Def. 14), cache keys, backups
+(Theorem 17), the speedup model (Theorem 7), device specs and the batched tree decode."""
+
+import math
+
+import pytest
+import torch
+
+from engine.acceptance import RandomDraws, verify
+from engine.drafters import Drafter
+from engine.sampling import SamplingParams
+from engine.ssd.backups import fast_backup, ngram_backup, resolve_backup
+from engine.ssd.devices import parse_device, parse_devices
+from engine.ssd.fanout import FanoutPlanner, geometric_fanout, geometric_weights, round_to_budget, uniform_fanout
+from engine.ssd.saguaro import saguaro_distribution, saguaro_shape
+from engine.ssd.speculation_cache import SpeculationCache, fork_keys
+from engine.ssd.theory import best_backup, sd_speedup, ssd_speedup
+
+
+def test_geometric_fanout_matches_the_worked_example():
+    """ALGORITHMS.md §4.3: a = 0.8, r = 1, K = 6, B = 21 gives ≈ [3.6, 3.3, 2.9, 2.6, 2.3, 2.1, 4.2]."""
+    w = geometric_weights(0.8, 1.0, 6)
+    f = [21 * x / sum(w) for x in w]
+    assert f == pytest.approx([3.6, 3.3, 2.9, 2.6, 2.3, 2.1, 4.2], abs=0.06)
+    ints = geometric_fanout(21, 0.8, 1.0, 6)
+    assert sum(ints) == 21 and all(abs(a - b) < 1 for a, b in zip(ints, f))
+
+
+def test_geometric_fanout_is_the_lagrangian_optimum():
+    """Among integer allocations of B, Theorem 12's rounding is within one step of the best
+    expected hit probability Σ P(k)(1 − F_k^{−r}) (checked by exhaustive search for K = 3)."""
+    a, r, k, budget = 0.7, 0.8, 3, 10
+    p = [(1 - a) * a**j for j in range(k)] + [a**k]
+
+    def value(f):
+        return sum(pk * (1 - fk ** -r) for pk, fk in zip(p, f) if fk > 0)
+
+    best = max(((x, y, z, budget - x - y - z) for x in range(budget + 1) for y in range(budget + 1 - x)
+                for z in range(budget + 1 - x - y)), key=value)
+    ours = geometric_fanout(budget, a, r, k)
+    assert value(ours) >= value(best) - 0.01
+
+
+def test_uniform_fanout_and_rounding():
+    assert uniform_fanout(15, 4) == [3, 3, 3, 3, 3]
+    assert uniform_fanout(7, 4) == [2, 2, 1, 1, 1]
+    assert sum(round_to_budget([0.1, 0.2, 0.7], 11)) == 11
+    with pytest.raises(ValueError):
+        round_to_budget([0.0, 0.0], 3)
+
+
+def test_planner_fits_the_power_law_exponent_and_acceptance():
+    gen = torch.Generator().manual_seed(0)
+    planner = FanoutPlanner()
+    true_r = 0.7
+    for _ in range(3000):
+        f = int(torch.randint(2, 9, (1,), generator=gen))
+        planner.observe_lookup(f, bool(torch.rand(1, generator=gen) >= f ** -true_r))
+    assert planner.fitted_r() == pytest.approx(true_r, abs=0.08)
+    assert planner.power_r(2.5) == 2.5  # a user-set r wins
+    planner.observe_round(300, 400)
+    assert planner.acceptance == pytest.approx(0.75, abs=0.01)
+    plan = planner.plan("geometric", 12, 4)
+    assert sum(plan) == 12 and plan[0] >= plan[3]
+
+
+def test_saguaro_downweights_the_top_f_plus_one_and_keeps_the_rest_proportional():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04])
+    out = saguaro_distribution(probs, fanout=1, c=0.5)  # top-2 scaled
+    z = 0.4 * 0.5 + 0.3 * 0.5 + 0.3
+    assert out.tolist() == pytest.approx([0.2 / z, 0.15 / z, 0.2 / z, 0.06 / z, 0.04 / z])
+    assert torch.equal(saguaro_distribution(probs, 2, 1.0), probs)  # C = 1 is off
+    one_hot = torch.tensor([0.0, 1.0, 0.0])
+    assert torch.equal(saguaro_distribution(one_hot, 1, 0.2), one_hot)  # greedy: no effect
+    assert saguaro_shape([3, 3], 1.0) is None
+    shape = saguaro_shape([1, 2], 0.5)
+    assert torch.allclose(shape(probs, 0), out) and torch.allclose(shape(probs, 5), saguaro_distribution(probs, 2, 0.5))
+    with pytest.raises(ValueError, match="downweight_c"):
+        saguaro_distribution(probs, 1, 0.0)
+
+
+def test_saguaro_moves_residual_mass_onto_the_cached_guesses():
+    """Def. 14's point: with D' the recovered token lands in the draft's top-F more often."""
+    gen = torch.Generator().manual_seed(3)
+    gains = []
+    for _ in range(50):
+        t = torch.softmax(torch.randn(50, generator=gen) * 2, -1)
+        d = torch.softmax(torch.log(t) + 0.5 * torch.randn(50, generator=gen), -1)
+        top = torch.topk(d, 4).indices
+
+        def residual_mass(draft):
+            res = (t - draft).clamp_min(0)
+            return float(res[top].sum() / res.sum())
+
+        gains.append(residual_mass(saguaro_distribution(d, 3, 0.3)) - residual_mass(d))
+    assert sum(gains) / len(gains) > 0.05
+
+
+def test_fork_keys_exclude_the_drafted_token_and_follow_the_fanout():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0],
+                           [1.0, 2.0, 3.0, 4.0, 5.0],
+                           [0.0, 9.0, 8.0, 0.0, 0.0]])
+    keys = fork_keys(logits, [0, 4], [2, 1, 2])
+    assert keys == [(0, 1), (0, 2), (1, 3), (2, 1), (2, 2)]
+    assert fork_keys(logits[:1], [], [0, 0, 3]) == [(0, 0), (0, 1), (0, 2)]  # bonus depth uses F_K
+    with pytest.raises(ValueError, match="logit rows"):
+        fork_keys(logits, [0], [1, 1])
+
+
+def test_cache_lookup_cuts_to_the_current_k():
+    from engine.drafters import Proposal
+
+    cache = SpeculationCache({(1, 7): Proposal([1, 2, 3], torch.eye(5)[:3])}, (1, 1))
+    hit = cache.lookup((1, 7), 2)
+    assert hit.tokens == [1, 2] and hit.probs.shape == (2, 5)
+    assert cache.lookup((0, 7), 2) is None and cache.keys() == ((1, 7),)
+
+
+@pytest.mark.parametrize("method", ["sps", "tas", "cactus"])
+def test_a_rejected_draft_token_is_never_the_recovered_token(method):
+    """Why the cache guesses exclude x_{k+1} for k < K, under every rule SSD supports."""
+    gen = torch.Generator().manual_seed(5)
+    b, k, v = 4000, 1, 6
+    t = torch.softmax(torch.randn(b, k + 1, v, generator=gen) * 1.5, -1)
+    d = torch.softmax(torch.randn(b, k, v, generator=gen) * 1.5, -1)
+    x = torch.multinomial(d[:, 0], 1, generator=gen)
+    res = verify(method, t, d, x, draws=RandomDraws.draw(b, k, gen), delta=0.5, posterior_threshold=0.3)
+    rejected = res.num_accepted == 0
+    assert int(rejected.sum()) > 100
+    assert not bool((res.next_tokens[rejected] == x[rejected, 0]).any())
+
+
+def test_speedup_model_theorem7_and_corollary():
+    assert ssd_speedup(1.0, 4.0, 2.0, 0.5, 1.0) == pytest.approx(4.0)  # all hits, T_p < 1: E_hit per verify
+    assert ssd_speedup(0.0, 4.0, 2.0, 0.5, 1.0) == pytest.approx(1.0)  # all misses: E_miss / (1 + T_b)
+    # Same draft as primary and backup (E_miss = E_SD, T_b = T_SD <= T_p... here T_p = T_SD): never slower.
+    for p in (0.0, 0.3, 0.9):
+        assert ssd_speedup(p, 3.0, 3.0, 0.6, 0.6) >= sd_speedup(3.0, 0.6) - 1e-12
+
+
+def test_theorem17_backup_switches_from_neural_to_fast_with_batch_size():
+    args = dict(p_hit=0.6, e_hit=3.5, e_sd=3.0, e_fast=1.0, t_p=0.8, t_b=0.5)
+    choices = [best_backup(b, **args) for b in (1, 2, 4, 8, 16, 64)]
+    assert choices[0] == "neural" and choices[-1] == "fast"
+    assert choices == sorted(choices, key=lambda c: c == "fast")  # one switch point b*
+    assert resolve_backup("adaptive", 8, {}) == "neural"  # nothing measured yet
+    rates = dict(p_hit=0.8, e_hit=3.5, e_miss_neural=3.0, e_miss_fast=1.0, t_p=0.8, t_b=0.8)
+    assert resolve_backup("adaptive", 64, rates) == "fast"
+    assert resolve_backup("ngram", 64, rates) == "ngram"
+
+
+def test_fast_and_ngram_backups():
+    tokens = fast_backup(5, 10, torch.Generator().manual_seed(0))
+    assert len(tokens) == 5 and all(0 <= t < 10 for t in tokens)
+    assert ngram_backup([1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]
+    assert ngram_backup([1, 2, 3], 3) == []
+
+
+def test_device_specs_parse_and_refuse_clearly():
+    d = parse_device("cpu:0")
+    assert d.cores == (0,) and str(d) == "cpu:0"
+    assert parse_device("cpu:0-1").cores == (0, 1)
+    for bad, msg in (("gpu:0", "not of the form"), ("cpu:1-0", "empty"), ("cpu:999", "do not exist"),
+                     (f"cuda:{torch.cuda.device_count()}", "CUDA device")):
+        with pytest.raises(ValueError, match=msg):
+            parse_device(bad)
+    target, draft = parse_devices("target=cpu:0,draft=cpu:1")
+    assert (target.cores, draft.cores) == ((0,), (1,))
+    with pytest.raises(ValueError, match="share cores"):
+        parse_devices("target=cpu:0-1,draft=cpu:1")
+    with pytest.raises(ValueError, match="target=<device>"):
+        parse_devices("cpu:0,cpu:1")
+
+
+@pytest.mark.parametrize("temperature,saguaro", [(0.0, False), (1.0, False), (1.0, True)])
+def test_tree_pass_equals_one_branch_at_a_time(tiny_pair, temperature, saguaro):
+    """ModelDrafter's batched tree decode drafts exactly what the per-branch default drafts."""
+    tree = tiny_pair.make_drafter("model", "fast", "float32")
+    loop = tiny_pair.make_drafter("model", "fast", "float32")
+    context, speculation = list(range(5, 25)), [40, 41, 42]
+    forks = [(0, 7), (0, 8), (1, 9), (2, 10), (3, 11), (3, 12)]
+    params = SamplingParams(temperature)
+    uniforms = torch.rand(len(forks), 4)
+    shape = saguaro_shape([2, 2, 2, 2], 0.4) if saguaro else None
+    tree.score(context, speculation)  # the glue decode the worker runs first
+    got = tree.propose_branches(context, speculation, forks, 4, params, uniforms, shape)
+    want = Drafter.propose_branches(loop, context, speculation, forks, 4, params, uniforms, shape)
+    for a, b in zip(got, want):
+        assert a.tokens == b.tokens
+        assert torch.allclose(a.probs, b.probs, atol=1e-5)
+    assert tree.lm.length == len(context) + len(speculation)  # the tree stays in scratch slots
+    scored = tree.score(context, speculation).log_softmax(-1)
+    assert torch.allclose(scored, Drafter.score(loop, context, speculation), atol=1e-4)
+
+
+def test_default_branches_work_for_a_drafter_without_a_model(tiny_pair):
+    drafter = tiny_pair.make_drafter("ngram")
+    out = drafter.propose_branches([1, 2, 3, 1, 2], [3], [(0, 9), (1, 1)], 2, SamplingParams(), torch.rand(2, 2))
+    assert out[1].tokens == [2, 3] and out[0].tokens == []
+    with pytest.raises(ValueError, match="k >= 1"):
+        drafter.propose_branches([1], [], [(0, 1)], 0, SamplingParams(), torch.rand(1, 0))

@@ -1,0 +1,165 @@
+"""SSD end to end with a real draft worker process: losslessness, cache hits, batches, worker loss."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from engine.config import SpecConfig
+from engine.decoding import generate
+from engine.events import FinishEvent, RoundEvent, SSDRoundEvent, StartEvent, TokenEvent, WorkerEvent
+from engine.sampling import SamplingParams, logits_to_probs
+from engine.ssd.ssd_decoding import SSDEngine
+from tests.stats import matches
+
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="SSD needs two cores")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    with SSDEngine(tiny_pair, target_device="cpu:0", draft_device="cpu:1") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def self_engine(tiny_pair):
+    with SSDEngine(tiny_pair, drafter_kind="self", target_device="cpu:0", draft_device="cpu:1") as eng:
+        yield eng
+
+
+def ar_tokens(pair, prompt, n):
+    events = generate(pair.make_target(), None, pair.tokenizer, prompt, SpecConfig(method="ar", max_new_tokens=n))
+    return list(events)[-1].token_ids
+
+
+def finishes(events):
+    return [e for e in events if isinstance(e, FinishEvent)]
+
+
+@pytest.mark.parametrize("method,backup,mode", [("sps", "neural", "uniform"), ("cactus", "fast", "geometric"),
+                                                ("tas", "ngram", "uniform"), ("sps", "adaptive", "geometric")])
+def test_greedy_ssd_equals_autoregressive(tiny_pair, engine, method, backup, mode):
+    prompt = tiny_pair.encode_prompt("The quick brown fox")
+    cfg = SpecConfig(method=method, max_new_tokens=40, temperature=0.0, ssd_backup=backup, ssd_fanout_mode=mode)
+    fin = finishes(engine.generate([prompt], cfg))
+    assert fin[0].token_ids == ar_tokens(tiny_pair, prompt, 40)
+    assert fin[0].metrics["cache_lookups"] > 0 and "cpu:1" in fin[0].metrics["devices"]
+
+
+def test_batch_rows_hit_and_miss_separately_and_each_equals_ar(tiny_pair, engine):
+    prompts = [tiny_pair.encode_prompt(p) for p in ("Once upon a time", "1, 2, 3, 4,", "def main():")]
+    events = list(engine.generate(prompts, SpecConfig(max_new_tokens=24, temperature=0.0, num_speculative_tokens=3)))
+    fins = finishes(events)
+    assert [f.sequence for f in fins] == [0, 1, 2]
+    for prompt, fin in zip(prompts, fins):
+        assert fin.token_ids == ar_tokens(tiny_pair, prompt, 24)
+        tokens = [e.token_id for e in events if isinstance(e, TokenEvent) and e.sequence == fin.sequence]
+        assert tuple(tokens) == fin.token_ids
+    rounds = [e for e in events if isinstance(e, SSDRoundEvent)]
+    assert all(len(r.hits) == len(r.sources) == len(r.num_emitted) for r in rounds)
+    assert any(len(set(r.hits)) == 2 for r in rounds), "rows should hit and miss independently"
+
+
+def test_self_draft_hits_every_lookup_at_temperature_zero(tiny_pair, self_engine):
+    """Draft = target: every draft token is accepted and the bonus is the draft's own argmax, which
+    is always a cache key; so after the forced first miss every round is served from the cache."""
+    prompt = tiny_pair.encode_prompt("hit me")
+    events = list(self_engine.generate([prompt], SpecConfig(max_new_tokens=30, temperature=0.0)))
+    rounds = [e for e in events if isinstance(e, SSDRoundEvent)]
+    assert rounds[0].sources == ("neural",) and all(r.hits == (True,) for r in rounds[1:])
+    fin = finishes(events)[0]
+    assert fin.metrics["cache_hit_rate"] == 1.0 and fin.metrics["tokens_per_round_hit"] == 5.0
+    assert fin.token_ids == ar_tokens(tiny_pair, prompt, 30)
+    last = rounds[-1]
+    assert len(last.cache_keys[0]) == sum(last.fanouts) == 15 and last.lookup_keys[0][0] == 4
+    assert last.theoretical_speedup is not None and last.measured_speedup is not None
+    lanes = {s.lane for r in rounds for s in r.timeline}
+    assert lanes == {"draft", "target", "wait"}
+
+
+@pytest.mark.parametrize("draft,downweight_c,fanout", [("engine", 1.0, 40), ("self_engine", 0.3, 2)])
+def test_cache_served_tokens_follow_the_target_distribution(tiny_pair, request, draft, downweight_c, fanout):
+    """Losslessness at T > 0, Saguaro sampling off and on: every token of a round served from the
+    cache is distributed, given its prefix, as the target's next-token distribution. Prefixes
+    differ between runs, so the counts are tested against the sum of the per-sample target
+    distributions (conditioning on the hit is fine: it depends on the prefix and the draft's
+    randomness, not on the verification's).
+
+    Off: the random tiny draft, which ranks the target's top-6 poorly, so a wide fan-out is needed
+    for hits. On: the target as its own draft, where Saguaro (C = 0.3 on the top-3 of 6 tokens)
+    is what makes the draft differ from the target and the rejections happen.
+    """
+    engine = request.getfixturevalue(draft)
+    prompt = tiny_pair.encode_prompt("stats")
+    params = SamplingParams(1.0, top_k=6)
+    samples = []
+    for seed in range(0, 400, 100):  # rows use seed + row: spaced seeds never share a generator
+        cfg = SpecConfig(method="sps", num_speculative_tokens=2, max_new_tokens=16, temperature=1.0, top_k=6,
+                         ssd_fanout=fanout, downweight_c=downweight_c, seed=seed)
+        events = list(engine.generate([prompt] * 8, cfg))
+        hit = {(i, r.round_index) for r in events if isinstance(r, SSDRoundEvent) for i, h in zip(r.sequences, r.hits)
+               if h}
+        tokens = [e for e in events if isinstance(e, TokenEvent)]
+        for row in range(8):
+            ids = [e.token_id for e in tokens if e.sequence == row]
+            samples += [(tuple(ids[: e.index]), e.token_id) for e in tokens
+                        if e.sequence == row and (row, e.round_index) in hit]
+        if downweight_c < 1:
+            assert any(r.num_accepted != r.num_draft_tokens for r in events if isinstance(r, RoundEvent))
+    assert len(samples) > 100
+    reference = tiny_pair.make_target("transformers")
+    expected, cond = torch.zeros(tiny_pair.vocab_size), {}
+    for prefix, _ in samples:
+        if prefix not in cond:
+            reference.reset()
+            cond[prefix] = logits_to_probs(reference.forward(prompt + list(prefix))[-1], params)
+        expected += cond[prefix]
+    assert matches(torch.tensor([t for _, t in samples]), expected / len(samples))
+
+
+def test_killing_the_worker_degrades_to_synchronous_drafting(tiny_pair):
+    prompt = tiny_pair.encode_prompt("Tell me a story")
+    with SSDEngine(tiny_pair, target_device="cpu:0", draft_device="cpu:1") as eng:
+        events = eng.generate([prompt], SpecConfig(max_new_tokens=60, temperature=0.0))
+        seen = []
+        for event in events:
+            seen.append(event)
+            if isinstance(event, RoundEvent) and event.round_index == 3:
+                os.kill(eng.worker_pid, signal.SIGKILL)
+        degraded = [e for e in seen if isinstance(e, WorkerEvent) and e.kind == "degraded"]
+        assert len(degraded) == 1 and "exit" in degraded[0].message
+        fin = finishes(seen)[0]
+        assert fin.reason == "max_new_tokens" and fin.token_ids == ar_tokens(tiny_pair, prompt, 60)
+        assert fin.metrics["worker_alive"] is False
+        assert "sync" in {s for e in seen if isinstance(e, SSDRoundEvent) for s in e.sources}
+        # The next generation starts a fresh worker.
+        again = list(eng.generate([prompt], SpecConfig(max_new_tokens=10, temperature=0.0)))
+        assert any(isinstance(e, WorkerEvent) and e.kind == "started" for e in again) and eng.alive
+
+
+def test_worker_is_pinned_to_its_core(engine, tiny_pair):
+    list(engine.generate([tiny_pair.encode_prompt("x")], SpecConfig(max_new_tokens=2)))
+    assert os.sched_getaffinity(engine.worker_pid) == {1}
+    assert os.sched_getaffinity(0) != {0} or len(os.sched_getaffinity(0)) == 1  # the caller's cores are restored
+
+
+def test_bad_ssd_settings_are_clear_errors(tiny_pair, engine):
+    prompt = tiny_pair.encode_prompt("x")
+    for change, msg in ((dict(method="ar"), "acceptance rule"), (dict(downweight_c=0.0), "downweight_c"),
+                        (dict(ssd_backup="magic"), "unknown SSD backup"), (dict(ssd_fanout_mode="x"), "fan-out mode")):
+        with pytest.raises(ValueError, match=msg):
+            list(engine.generate([prompt], SpecConfig(**change)))
+    with pytest.raises(ValueError, match="share cores"):
+        SSDEngine(tiny_pair, target_device="cpu:0-1", draft_device="cpu:1")
+    with pytest.raises(ValueError, match="at least one token"):
+        list(engine.generate([prompt, []], SpecConfig()))
+
+
+@pytest.mark.slow
+def test_greedy_ssd_equals_autoregressive_on_the_default_pair(default_pair):
+    prompt = default_pair.encode_prompt("Write a haiku about the sea.")
+    with SSDEngine(default_pair, target_device="cpu:0", draft_device="cpu:1") as eng:
+        events = list(eng.generate([prompt], SpecConfig(max_new_tokens=32, temperature=0.0)))
+    assert isinstance(events[1], StartEvent) or isinstance(events[0], WorkerEvent)
+    assert finishes(events)[0].token_ids == ar_tokens(default_pair, prompt, 32)
