@@ -27,6 +27,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
     ap.add_argument("--devices", default="auto", choices=("auto", "cpu"),
                     help="auto: target cuda:0 and draft cuda:1 when two GPUs are present")
+    ap.add_argument("--ssd-devices", default="", help="SSD method: target=<dev>,draft=<dev> (cpu:N, cpu:N-M, cuda:N; "
+                    "default: the draft gets the last core)")
     ap.add_argument("--concurrency", type=int, default=None, help="engine jobs at once (default: Limits)")
     ap.add_argument("--drafter", default="model", choices=DRAFTER_KINDS)
     ap.add_argument("--cli", action="store_true", help="terminal preview instead of the browser playground")
@@ -67,12 +69,17 @@ def run_playground(args: argparse.Namespace) -> int:
     from playground.devices import place_pair
     from playground.runner import PlaygroundContext, measure_ar_baseline
 
+    from engine.ssd.devices import parse_devices
+
+    if args.ssd_devices:
+        parse_devices(args.ssd_devices)  # a bad spec is a clear error now, not on the first SSD request
     pair = load_pair(check_pair(args.pair))
     devices = place_pair(pair, args.devices)
     limits = Limits.for_device(gpu=devices.startswith("target cuda"))
     if args.concurrency:
         limits = replace(limits, concurrency=args.concurrency)
-    ctx = PlaygroundContext(pair_name=args.pair, pair=pair, limits=limits, drafter_kind=args.drafter, devices=devices)
+    ctx = PlaygroundContext(pair_name=args.pair, pair=pair, limits=limits, drafter_kind=args.drafter, devices=devices,
+                            ssd_devices=args.ssd_devices)
     print(f"specplay: pair {args.pair} on {devices}; measuring the AR baseline…", flush=True)
     measure_ar_baseline(ctx, pair.encode_prompt("Write a short poem about the sea."))
     print(f"specplay: {ctx.ar_baseline_note}", flush=True)

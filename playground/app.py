@@ -20,7 +20,7 @@ from engine.config import SpecConfig
 from engine.decoding import generate as engine_generate
 from playground import charts
 from playground.inspector import inspect_figure, inspect_markdown
-from playground.limits import METHOD_LABELS, SSD_DISABLED_REASON, UI_METHODS, build_config, check_prompt_tokens
+from playground.limits import MAX_SSD_BUDGET, METHOD_LABELS, SSD_RULES, UI_METHODS, build_config, check_prompt_tokens
 from playground.runner import (
     VLLM_TARGET_NAMES, PlaygroundContext, compare_table, run_compare, run_config_json, run_sweep,
     start_session_run, sweep_points, tokens_csv,
@@ -36,17 +36,17 @@ COMPARE_SLOTS = 5
 CSS = """
 .token-view span { font-family: ui-monospace, monospace; }
 .legend-note { font-size: 0.85em; color: #555; }
-.ssd-reason { color: #8a5a00; }
 """
 DEFAULT_PROMPT = "Write a short poem about the sea."
+SYNC_METHODS = tuple(m for m in UI_METHODS if m != "ssd")  # the Learn tab steps a synchronous round
 CHART_NAMES = ("per_position", "histogram", "divergence", "throughput", "timeline", "ssd_cache", "speedup")
 
 
 def _legend() -> str:
     items = " · ".join(f"<span style='color:{STATUS_COLOURS[s]}'>■</span> <b>{s}</b>: {STATUS_MEANING[s]}"
                        for s in ("accepted", "recovered", "bonus", "generated"))
-    return f"<div class='legend-note'>{items} · <span style='color:#999'>■</span> SSD cache hit/miss: " \
-           f"{SSD_DISABLED_REASON}</div>"
+    return f"<div class='legend-note'>{items} · SSD: the cache chart colours each round green (cache hit) or red " \
+           f"(miss: the backup drafted)</div>"
 
 
 def _status_line(run: RunState, baseline: float | None) -> str:
@@ -66,6 +66,10 @@ def _status_line(run: RunState, baseline: float | None) -> str:
     if m.get("draft_acceptance_rate") is not None:
         parts.append(f"draft acceptance {m['draft_acceptance_rate']:.0%}")
     parts.append(f"KL spent {m.get('kl_total', 0.0):.3f} nats")
+    if m.get("cache_hit_rate") is not None:
+        parts.append(f"SSD cache hit rate {m['cache_hit_rate']:.0%}")
+    if any(w.kind == "degraded" for w in run.worker_events):
+        parts.append("⚠️ draft worker lost: finished synchronously")
     if run.start:
         parts.append(f"{run.start.devices}")
     return " · ".join(parts)
@@ -118,7 +122,6 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
                                             max_lines=8, elem_id="prompt")
                         method = gr.Radio([(METHOD_LABELS[m], m) for m in UI_METHODS], value="cactus",
                                           label="Method", elem_id="method")
-                        gr.Markdown(f"<span class='ssd-reason'>SSD (Saguaro): {SSD_DISABLED_REASON}</span>")
                         with gr.Row():
                             generate_btn = gr.Button("Generate", variant="primary", elem_id="generate-btn")
                             stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn")
@@ -140,14 +143,17 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
                             max_new = gr.Slider(1, limits.max_new_tokens, value=min(96, limits.max_new_tokens),
                                                 step=1, label="max new tokens")
                             seed = gr.Number(value=0, precision=0, label="seed", minimum=0)
-                        with gr.Accordion("SSD (Saguaro) settings: disabled", open=False):
-                            gr.Markdown(f"<span class='ssd-reason'>{SSD_DISABLED_REASON}</span>")
-                            gr.Textbox(label="fan-out F_0..F_K", value="geometric", interactive=False)
-                            gr.Slider(1, 64, value=16, step=1, label="speculation budget B", interactive=False)
-                            gr.Slider(0, 1, value=0.5, label="down-weight C", interactive=False)
-                            gr.Dropdown(["neural", "fast", "ngram", "adaptive"], value="neural", label="backup",
-                                        interactive=False)
-                            gr.Textbox(label="devices (target / draft)", value="cpu:0 / cpu:1", interactive=False)
+                        with gr.Accordion("SSD (Saguaro) settings (method SSD)", open=False):
+                            ssd_rule = gr.Dropdown(list(SSD_RULES), value="sps", label="acceptance rule inside SSD")
+                            fanout_mode = gr.Radio(["uniform", "geometric"], value="uniform",
+                                                   label="fan-out F_0..F_K (geometric = Theorem 12)")
+                            budget = gr.Slider(1, MAX_SSD_BUDGET, value=15, step=1, label="speculation budget B = Σ F_k")
+                            downweight_c = gr.Slider(0.05, 1, value=1.0, step=0.05,
+                                                     label="Saguaro down-weight C (1 = off)")
+                            backup = gr.Dropdown(["neural", "fast", "ngram", "adaptive"], value="neural",
+                                                 label="backup on a miss")
+                            gr.Textbox(label="devices", value=ctx.ssd_devices or "default: draft on the last core, "
+                                       "target on the others", interactive=False)
                     with gr.Column(scale=2):
                         status = gr.Markdown("Ready.", elem_id="status")
                         tokens = _token_view("Output (click a token to inspect it)", elem_id="tokens")
@@ -171,13 +177,16 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
                 timer = gr.Timer(1.0 / CHART_HZ, active=False)
 
             def generate(prompt_text, method_v, k_v, delta_v, temp_v, top_p_v, top_k_v, eps_v, alpha_v, max_new_v,
-                         seed_v, request: gr.Request):
+                         seed_v, rule_v="sps", fanout_mode_v="uniform", budget_v=15, c_v=1.0, backup_v="neural",
+                         request: gr.Request = None):
                 cfg, prompt_ids = validated(prompt_text, method=method_v, k=k_v, delta=delta_v,
                                             posterior_threshold=eps_v, posterior_alpha=alpha_v, temperature=temp_v,
-                                            top_p=top_p_v, top_k=top_k_v, max_new_tokens=max_new_v, seed=seed_v)
+                                            top_p=top_p_v, top_k=top_k_v, max_new_tokens=max_new_v, seed=seed_v,
+                                            ssd_rule=rule_v, fanout_mode=fanout_mode_v, budget=budget_v,
+                                            downweight_c=c_v, backup=backup_v)
                 session = session_of(request)
                 yield [], "generating…", gr.skip(), gr.Timer(active=True)
-                for run in start_session_run(ctx, session, cfg, prompt_ids):
+                for run in start_session_run(ctx, session, cfg, prompt_ids, ssd=method_v == "ssd"):
                     yield highlighted_tokens(run), _status_line(run, ctx.ar_baseline_tps), gr.skip(), gr.skip()
                 yield (highlighted_tokens(run), _status_line(run, ctx.ar_baseline_tps), _details(run),
                        gr.Timer(active=False))
@@ -199,8 +208,9 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
                 return _status_line(session.run, ctx.ar_baseline_tps).replace("generating…", "stopped")
 
             gen_inputs = [prompt, method, k, delta, temperature, top_p, top_k, eps, alpha, max_new, seed]
+            ssd_inputs = [ssd_rule, fanout_mode, budget, downweight_c, backup]
             gen_event = generate_btn.click(
-                generate, gen_inputs, [tokens, status, details, timer], api_name="generate",
+                generate, gen_inputs + ssd_inputs, [tokens, status, details, timer], api_name="generate",
                 concurrency_limit=limits.concurrency, concurrency_id=ENGINE_QUEUE,
                 time_limit=int(limits.max_seconds) + 30, show_progress="minimal",
             )
@@ -244,8 +254,12 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
                                        max_new_tokens=max_new_v, seed=seed_v)
                 except ValueError as err:
                     return f"# invalid settings: {err}"
-                return speculative_config_text(cfg, VLLM_TARGET_NAMES.get(ctx.pair_name, ctx.pair_name),
+                text = speculative_config_text(cfg, VLLM_TARGET_NAMES.get(ctx.pair_name, ctx.pair_name),
                                                pair.draft_description, ctx.drafter_kind)
+                if method_v == "ssd":
+                    return ("# vLLM has no asynchronous speculation cache (SSD); the synchronous equivalent of its "
+                            "rule:\n" + text)
+                return text
 
             vllm_inputs = gen_inputs[1:]
             for component in vllm_inputs:
@@ -407,7 +421,7 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
                             + " → ".join(STAGES) + ". Pick a preset, press **Start**, then **Next step**.")
                 with gr.Row():
                     preset = gr.Dropdown(list(PRESETS), value=next(iter(PRESETS)), label="Preset", scale=2)
-                    l_method = gr.Radio([(METHOD_LABELS[m], m) for m in UI_METHODS], value="tas", label="Method",
+                    l_method = gr.Radio([(METHOD_LABELS[m], m) for m in SYNC_METHODS], value="tas", label="Method",
                                         scale=2)
                 with gr.Row():
                     l_prompt = gr.Textbox(label="Prompt", lines=2, scale=3)

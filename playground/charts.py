@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from playground.limits import SSD_DISABLED_REASON
 from playground.state import STATUS_COLOURS, RunState
 
 MAX_TOKENS = 400
@@ -165,8 +164,30 @@ def throughput(state: RunState, ar_baseline_tps: float | None, window: int = 5) 
                   "Tokens/s over time", "seconds since start", "tokens/s", shapes=shapes, annotations=notes)
 
 
+SSD_LANES = {"draft": "#17becf", "target": "#bcbd22", "wait": "#d62728"}
+
+
+def ssd_timeline(state: RunState) -> go.Figure:
+    """SSD's Gantt: the draft worker's serve/fill intervals overlap the target's verifications."""
+    rounds = state.ssd_rounds[-GANTT_ROUNDS:]
+    traces = []
+    for lane, colour in SSD_LANES.items():
+        spans = [s for r in rounds for s in r.timeline if s.lane == lane]
+        traces.append({
+            "type": "bar", "orientation": "h", "name": lane, "y": [lane] * len(spans),
+            "x": [(s.end - s.start) * 1e3 for s in spans], "base": [s.start * 1e3 for s in spans],
+            "marker": {"color": colour}, "text": [s.label for s in spans],
+            "hovertemplate": "%{text}: %{x:.1f} ms<extra>" + lane + "</extra>", "textposition": "none",
+        })
+    devices = state.start.devices if state.start else ""
+    return figure(traces, f"SSD timeline (last {len(rounds)} rounds, {devices}): draft fills while the target verifies",
+                  "ms since start", "", barmode="overlay")
+
+
 def draft_verify_timeline(state: RunState) -> go.Figure:
     """Gantt of the last rounds: when the draft and the target ran. Synchronous methods never overlap."""
+    if state.ssd_rounds:
+        return ssd_timeline(state)
     rounds = state.rounds[-GANTT_ROUNDS:]
     if not rounds:
         return _empty("Draft / verify timeline", "no rounds yet")
@@ -188,8 +209,49 @@ def draft_verify_timeline(state: RunState) -> go.Figure:
 
 
 def ssd_cache_hits(state: RunState) -> go.Figure:
-    """Speculation-cache hits per round: only SSD produces them, and the engine has no SSD yet."""
-    return _empty("SSD cache hits per round", SSD_DISABLED_REASON)
+    """Tokens per round, coloured by cache hit or miss (and the backup that ran), with the cache's
+    contents (keys (k, y) and fan-out per depth) on hover."""
+    rounds = state.ssd_rounds[-MAX_ROUNDS:]
+    if not rounds:
+        return _empty("SSD cache hits per round", "run the SSD method to see its speculation cache")
+    colours = {"cache": STATUS_COLOURS["accepted"], "sync": "#7f7f7f"}
+    hover = [f"lookup {r.lookup_keys[0]} in {len(r.cache_keys[0])} keys, F={list(r.fanouts)}<br>"
+             f"keys: {', '.join(map(str, r.cache_keys[0][:12]))}{'…' if len(r.cache_keys[0]) > 12 else ''}"
+             for r in rounds]
+    trace = {"type": "bar", "x": [r.round_index for r in rounds], "y": [r.num_emitted[0] for r in rounds],
+             "marker": {"color": [colours.get(r.sources[0], "#d62728") for r in rounds]},
+             "customdata": [r.sources[0] for r in rounds], "text": hover, "textposition": "none",
+             "hovertemplate": "round %{x}: %{y} tokens (%{customdata})<br>%{text}<extra></extra>"}
+    m = state.finish.metrics if state.finish else {}
+    last = rounds[-1]
+    hit = f"{last.hit_rate:.0%}" if last.hit_rate is not None else "–"
+    per = ""
+    if m.get("tokens_per_round_hit") is not None or m.get("tokens_per_round_miss") is not None:
+        per = f"; tokens/round hit {m.get('tokens_per_round_hit') or 0:.2f}, miss {m.get('tokens_per_round_miss') or 0:.2f}"
+    notes = [f"{w.kind}: {w.message}" for w in state.worker_events if w.kind != "started"]
+    title = f"SSD cache: hit rate {hit} (green hit, red miss → backup, grey synchronous){per}"
+    annotations = [{"text": notes[-1][:120], "showarrow": False, "x": 0, "y": 1.0, "xref": "paper", "yref": "paper",
+                    "xanchor": "left", "font": {"size": 10, "color": CHANGE_COLOUR}}] if notes else []
+    return figure([trace], title, "round", "tokens emitted", annotations=annotations)
+
+
+def ssd_speedup(state: RunState) -> go.Figure:
+    """Theorem 7's speedup from the measured hit rate, E_hit/E_miss and T_p/T_b, next to the measured one."""
+    rounds = [r for r in state.ssd_rounds if r.theoretical_speedup is not None]
+    if not rounds:
+        return _empty("SSD speedup (Theorem 7)", "needs a few SSD rounds")
+    x = [r.round_index for r in rounds]
+    traces = [
+        {"type": "scatter", "x": x, "y": [r.theoretical_speedup for r in rounds], "mode": "lines",
+         "name": "Theorem 7 (measured p_hit, E, T_p, T_b)", "line": {"color": "#7f7f7f"}},
+        {"type": "scatter", "x": x, "y": [r.measured_speedup for r in rounds], "mode": "lines",
+         "name": "measured (tokens per verification-time)", "line": {"color": CHANGE_COLOUR}},
+    ]
+    r = rounds[-1].rates
+    shape, note = _hline(1.0, "one token per verification", "#aaaaaa")
+    t_p, t_b = r.get("t_p"), r.get("t_b")
+    return figure(traces, f"SSD speedup: T_p={t_p or 0:.2f}, T_b={t_b or 0:.2f}, backup {r.get('backup')}, "
+                  f"r={r.get('power_r', 0):.2f}", "round", "speedup", shapes=[shape], annotations=[note])
 
 
 def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
@@ -233,7 +295,7 @@ def live_figures(state: RunState, ar_baseline_tps: float | None) -> tuple[go.Fig
     return (
         acceptance_per_position(state), acceptance_histogram(state), divergence_budget(state),
         throughput(state, ar_baseline_tps), draft_verify_timeline(state), ssd_cache_hits(state),
-        speedup_curve(state, ar_baseline_tps),
+        ssd_speedup(state) if state.ssd_rounds else speedup_curve(state, ar_baseline_tps),
     )
 
 

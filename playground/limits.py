@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import SpecConfig
+from engine.config import SSD_BACKUPS, SSD_FANOUT_MODES, SpecConfig
 
 ALLOWED_PAIRS = ("tiny", "default")  # no free-text model names: see ECOSYSTEM.md §4
-UI_METHODS = ("ar", "sps", "tas", "cactus")  # SSD joins when the engine ships it
-METHOD_LABELS = {"ar": "AR (baseline)", "sps": "SpS (lossless)", "tas": "TAS (typical)", "cactus": "Cactus (KL budget)"}
-SSD_DISABLED_REASON = "Saguaro SSD lands with the SSD engine issue."
+UI_METHODS = ("ar", "sps", "tas", "cactus", "ssd")
+METHOD_LABELS = {"ar": "AR (baseline)", "sps": "SpS (lossless)", "tas": "TAS (typical)", "cactus": "Cactus (KL budget)",
+                 "ssd": "SSD (Saguaro, async draft)"}
+SSD_RULES = ("sps", "tas", "cactus")  # the acceptance rule SSD verifies with
+MAX_SSD_BUDGET = 64
 
 
 @dataclass(frozen=True)
@@ -45,12 +47,26 @@ def check_pair(name: str) -> str:
 
 def build_config(limits: Limits, *, method: str, k: float, delta: float, posterior_threshold: float,
                  posterior_alpha: float, temperature: float, top_p: float, top_k: float, max_new_tokens: float,
-                 seed: float, inspect_top_n: int = 0) -> SpecConfig:
-    """A validated SpecConfig from raw UI values (sliders send floats), or ValueError saying what is wrong."""
+                 seed: float, inspect_top_n: int = 0, ssd_rule: str = "sps", fanout_mode: str = "uniform",
+                 budget: float = 15, downweight_c: float = 1.0, backup: str = "neural") -> SpecConfig:
+    """A validated SpecConfig from raw UI values (sliders send floats), or ValueError saying what is wrong.
+
+    For method "ssd" the config's `method` is the acceptance rule SSD verifies with (`ssd_rule`);
+    the caller runs it through the SSD engine (see `is_ssd`).
+    """
     if method not in UI_METHODS:
-        if str(method).startswith("ssd"):
-            raise ValueError(SSD_DISABLED_REASON)
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(UI_METHODS)}")
+    if method == "ssd":
+        if ssd_rule not in SSD_RULES:
+            raise ValueError(f"SSD verifies with one of {', '.join(SSD_RULES)}, got {ssd_rule!r}")
+        if fanout_mode not in SSD_FANOUT_MODES or backup not in SSD_BACKUPS:
+            raise ValueError(f"SSD fan-out must be one of {', '.join(SSD_FANOUT_MODES)} and the backup one of "
+                             f"{', '.join(SSD_BACKUPS)}")
+        if budget is None or float(budget) != int(float(budget)) or not 1 <= int(float(budget)) <= MAX_SSD_BUDGET:
+            raise ValueError(f"the SSD cache budget B must be a whole number between 1 and {MAX_SSD_BUDGET}, "
+                             f"got {budget!r}")
+        if downweight_c is None or not 0 < float(downweight_c) <= 1:
+            raise ValueError(f"the Saguaro down-weight C must be in (0, 1], got {downweight_c!r}")
     values = {"K": k, "max new tokens": max_new_tokens, "top-k": top_k, "seed": seed}
     for label, value in values.items():
         if value is None or float(value) != int(float(value)):
@@ -66,10 +82,15 @@ def build_config(limits: Limits, *, method: str, k: float, delta: float, posteri
         raise ValueError(f"temperature must be between 0 and {limits.max_temperature}, got {temperature!r}")
     if delta is None or not 0 <= float(delta) <= limits.max_delta:
         raise ValueError(f"δ must be between 0 and {limits.max_delta} nats, got {delta!r}")
-    cfg = SpecConfig(method=method, num_speculative_tokens=k, delta=float(delta),
+    cfg = SpecConfig(method=ssd_rule if method == "ssd" else method, num_speculative_tokens=k, delta=float(delta),
                      posterior_threshold=float(posterior_threshold), posterior_alpha=float(posterior_alpha),
                      temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                      max_new_tokens=max_new_tokens, seed=seed, inspect_top_n=inspect_top_n)
+    if method == "ssd":
+        # A budget below K+1 leaves some depths without guesses: that is the user's choice to make.
+        cfg = SpecConfig(**{**cfg.as_dict(), "ssd_fanout_mode": fanout_mode, "ssd_budget": int(float(budget)),
+                            "ssd_fanout": max(int(float(budget)) // (k + 1), 1), "downweight_c": float(downweight_c),
+                            "ssd_backup": backup})
     cfg.validate()
     return cfg
 

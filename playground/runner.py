@@ -21,6 +21,7 @@ from engine.config import SpecConfig
 from engine.decoding import generate
 from engine.events import RoundEvent
 from engine.models.registry import ModelPair
+from engine.ssd.ssd_decoding import SSDEngine
 from playground.limits import Limits, inspector_width
 from playground.session import Session, SessionStore
 from playground.state import RunState, reduce, summary
@@ -42,10 +43,22 @@ class PlaygroundContext:
     ar_baseline_tps: float | None = None
     ar_baseline_note: str = "not measured yet"
     active_runs: int = 0  # engine loops running right now (for the health line and tests)
+    ssd_devices: str = ""  # "target=cpu:0,draft=cpu:1"; empty = the engine's default split
+    _ssd: SSDEngine | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def make_models(self, method: str):
         return self.pair.make_target(), (None if method == "ar" else self.pair.make_drafter(self.drafter_kind))
+
+    def ssd_engine(self) -> SSDEngine:
+        """The one SSD engine (one draft worker) of this app, started on first use; one SSD run at a time."""
+        with self._lock:
+            if self._ssd is None:
+                target, draft = (dict(p.split("=", 1) for p in self.ssd_devices.split(",")).values()
+                                 if self.ssd_devices else (None, None))
+                self._ssd = SSDEngine(self.pair, drafter_kind=self.drafter_kind, target_device=target,
+                                      draft_device=draft)
+            return self._ssd
 
     def with_inspector(self, cfg: SpecConfig) -> SpecConfig:
         return replace(cfg, inspect_top_n=inspector_width(self.pair.vocab_size, cfg.top_k))
@@ -68,20 +81,25 @@ def measure_ar_baseline(ctx: PlaygroundContext, prompt_ids: Sequence[int], new_t
 
 def stream_run(ctx: PlaygroundContext, control: SpecConfig, prompt_ids: Sequence[int], stop: threading.Event,
                run: RunState, deadline: float, yield_every: float = YIELD_INTERVAL_SECONDS,
-               outer_stop: threading.Event | None = None) -> Iterator[RunState]:
+               outer_stop: threading.Event | None = None, ssd: bool = False) -> Iterator[RunState]:
     """Drive one engine generation into `run`, yielding it at most every `yield_every` seconds.
 
     The engine reads `control` at every round (live tuning) and checks `stop` before every round;
     past `deadline` (monotonic) we set `stop` ourselves. Closing this generator (Gradio cancel,
     client disconnect) also sets `stop`, so the engine never runs on unseen. `outer_stop` is a
-    whole-job Stop (compare, sweep) forwarded to this run's own `stop`.
+    whole-job Stop (compare, sweep) forwarded to this run's own `stop`. `ssd` runs the SSD engine
+    (draft worker on its own device) with `control.method` as its acceptance rule.
     """
-    target, drafter = ctx.make_models(control.method)
     ctx.run_count(+1)
     last = 0.0
     try:
-        for event in generate(target, drafter, ctx.pair.tokenizer, prompt_ids, control,
-                              eos_token_ids=ctx.pair.eos_token_ids, stop=stop):
+        if ssd:
+            events = ctx.ssd_engine().generate([prompt_ids], control, eos_token_ids=ctx.pair.eos_token_ids, stop=stop)
+        else:
+            target, drafter = ctx.make_models(control.method)
+            events = generate(target, drafter, ctx.pair.tokenizer, prompt_ids, control,
+                              eos_token_ids=ctx.pair.eos_token_ids, stop=stop)
+        for event in events:
             reduce(run, event)
             if outer_stop is not None and outer_stop.is_set():
                 stop.set()
@@ -100,15 +118,15 @@ def stream_run(ctx: PlaygroundContext, control: SpecConfig, prompt_ids: Sequence
     yield run
 
 
-def start_session_run(ctx: PlaygroundContext, session: Session, cfg: SpecConfig, prompt_ids: Sequence[int]
-                      ) -> Iterator[RunState]:
+def start_session_run(ctx: PlaygroundContext, session: Session, cfg: SpecConfig, prompt_ids: Sequence[int],
+                      ssd: bool = False) -> Iterator[RunState]:
     """A Generate-tab run: installs a fresh control object, stop Event and run state in the session."""
     session.stop.set()  # a previous run of this session, if any, stops at its next round
     stop = threading.Event()
     control = ctx.with_inspector(cfg)
-    run = RunState(method=cfg.method, config=control.as_dict())
+    run = RunState(method="ssd" if ssd else cfg.method, config=control.as_dict())
     session.stop, session.control, session.run, session.rendered_version = stop, control, run, -1
-    yield from stream_run(ctx, control, prompt_ids, stop, run, time.monotonic() + ctx.limits.max_seconds)
+    yield from stream_run(ctx, control, prompt_ids, stop, run, time.monotonic() + ctx.limits.max_seconds, ssd=ssd)
 
 
 def run_compare(ctx: PlaygroundContext, methods: Sequence[str], cfg: SpecConfig, prompt_ids: Sequence[int],
@@ -122,10 +140,11 @@ def run_compare(ctx: PlaygroundContext, methods: Sequence[str], cfg: SpecConfig,
     deadline = time.monotonic() + ctx.limits.max_seconds
     runs: dict[str, RunState] = {}
     for method in methods:
-        control = ctx.with_inspector(replace(cfg, method=method))
+        # SSD verifies with SpS here, so it lines up with the synchronous SpS row.
+        control = ctx.with_inspector(replace(cfg, method="sps" if method == "ssd" else method))
         run = runs[method] = RunState(method=method, config=control.as_dict())
         for _ in stream_run(ctx, control, prompt_ids, threading.Event(), run, deadline, yield_every=0.25,
-                            outer_stop=stop):
+                            outer_stop=stop, ssd=method == "ssd"):
             yield method, run, runs
         if stop.is_set() or time.monotonic() > deadline:
             break
@@ -153,6 +172,7 @@ def compare_table(runs: dict[str, RunState]) -> pd.DataFrame:
             "draft_acceptance_rate": m.get("draft_acceptance_rate"),
             "mean_kl_per_token": m.get("mean_kl_per_token"),
             "mean_induced_kl": m.get("mean_induced_kl"),
+            "cache_hit_rate": m.get("cache_hit_rate"),
             "first_difference": first_difference(reference, run.token_ids),
             "finish": run.finish.reason if run.finish else ("error: " + run.error if run.error else "running"),
         })

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.acceptance import induced_distribution, kl_divergence
-from engine.events import FinishEvent, RoundEvent, StartEvent, TokenEvent
+from engine.events import FinishEvent, RoundEvent, SSDRoundEvent, StartEvent, TokenEvent, WorkerEvent
 
 MASS_TOLERANCE = 1e-3  # candidates within this of total mass 1 count as the full distribution
 
@@ -66,6 +66,8 @@ class RunState:
     changes: list[ConfigChange] = field(default_factory=list)
     induced: dict[int, InducedDivergence] = field(default_factory=dict)  # token index -> divergence
     finish: FinishEvent | None = None
+    ssd_rounds: list[SSDRoundEvent] = field(default_factory=list)  # SSD only: cache and timeline per round
+    worker_events: list[WorkerEvent] = field(default_factory=list)  # SSD only: worker started / degraded
     error: str = ""
     started_at: float = field(default_factory=time.time)
     version: int = 0  # bumped by every event, so redraws can be skipped when nothing changed
@@ -83,9 +85,14 @@ class RunState:
         return self.rounds[round_index] if 0 <= round_index < len(self.rounds) else None
 
 
-def reduce(state: RunState, event: StartEvent | TokenEvent | RoundEvent | FinishEvent) -> RunState:
+def reduce(state: RunState, event: StartEvent | TokenEvent | RoundEvent | SSDRoundEvent | WorkerEvent | FinishEvent
+           ) -> RunState:
     """Fold one engine event into `state` (in place; returned for chaining)."""
-    if isinstance(event, StartEvent):
+    if isinstance(event, SSDRoundEvent):
+        state.ssd_rounds.append(event)
+    elif isinstance(event, WorkerEvent):
+        state.worker_events.append(event)
+    elif isinstance(event, StartEvent):
         state.start = event
     elif isinstance(event, TokenEvent):
         state.tokens.append(event)
@@ -157,6 +164,10 @@ def summary(state: RunState) -> dict:
             "elapsed_seconds": elapsed,
             "tokens_per_s": len(state.tokens) / elapsed if elapsed > 0 else None,
         }
+        if state.ssd_rounds:
+            last = state.ssd_rounds[-1]
+            metrics.update(cache_hit_rate=last.hit_rate, theoretical_speedup=last.theoretical_speedup,
+                           measured_speedup=last.measured_speedup)
     exact = [d.kl for d in state.induced.values()]
     metrics["mean_induced_kl"] = sum(exact) / len(exact) if exact else None
     metrics["induced_kl_exact"] = all(d.exact for d in state.induced.values()) if exact else None

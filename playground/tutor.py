@@ -12,7 +12,6 @@ import plotly.graph_objects as go
 
 from engine.events import RoundEvent, TokenEvent
 from playground.charts import figure
-from playground.limits import SSD_DISABLED_REASON
 from playground.state import STATUS_COLOURS, RunState
 
 STAGES = ("draft", "verify", "accept / reject", "recover / bonus", "cache lookup (SSD)")
@@ -114,8 +113,9 @@ def explain_stage(rnd: RoundEvent, tokens: list[TokenEvent], stage: int) -> str:
                            f"The round emitted {rnd.num_emitted} token(s), KL spent {rnd.kl:.4f} nats.")
         return head + (f"All {k} drafts were kept, so the target's extra position gives a free **bonus** token "
                        f"`{_t(last.text)}` (T = {last.target_prob:.3f}). The round emitted {rnd.num_emitted} tokens.")
-    return head + (f"{SSD_DISABLED_REASON} With SSD, the draft would already have pre-computed the next round "
-                   "for the likely outcomes (number accepted, bonus token); a cache hit skips drafting.")
+    return head + ("With SSD (the SSD method on the Generate tab), the draft worker would already have pre-computed "
+                   "the next round for the likely outcomes (number accepted, next token) while the target verified "
+                   "this one; a cache hit skips drafting, a miss runs the backup speculator.")
 
 
 def round_figure(rnd: RoundEvent, tokens: list[TokenEvent]) -> go.Figure:

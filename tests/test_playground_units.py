@@ -65,8 +65,10 @@ def test_limits_reject_bad_input_with_a_sentence():
     base = dict(method="sps", k=4, delta=1, posterior_threshold=0.09, posterior_alpha=0.3, temperature=0.5,
                 top_p=1, top_k=0, max_new_tokens=16, seed=0)
     assert build_config(limits, **base).num_speculative_tokens == 4
-    for bad, msg in ((dict(k=99), "K must be"), (dict(method="ssd"), "SSD"), (dict(max_new_tokens=10**6), "max new"),
-                     (dict(k=2.5), "whole number"), (dict(temperature=-1), "temperature")):
+    for bad, msg in ((dict(k=99), "K must be"), (dict(method="ssd", downweight_c=0), "down-weight"),
+                     (dict(method="ssd", budget=500), "budget"), (dict(method="ssd", ssd_rule="ar"), "SSD verifies"),
+                     (dict(max_new_tokens=10**6), "max new"), (dict(k=2.5), "whole number"),
+                     (dict(temperature=-1), "temperature")):
         with pytest.raises(ValueError, match=msg):
             build_config(limits, **{**base, **bad})
 
@@ -114,3 +116,33 @@ def test_pareto_front():
     pts = [{"divergence": 0, "mean_acceptance_length": 1.2}, {"divergence": 0.5, "mean_acceptance_length": 1.1},
            {"divergence": 1, "mean_acceptance_length": 2}]
     assert [p["divergence"] for p in charts.pareto_front(pts)] == [0, 1]
+
+
+def test_ssd_runs_through_the_playground_and_fills_its_charts(tiny_pair):
+    """The SSD method end to end in the UI layer: real worker, events reduced, charts with data."""
+    import os
+
+    from playground.charts import live_figures
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("SSD needs two cores")
+    limits = Limits()
+    cfg = build_config(limits, method="ssd", k=3, delta=1, posterior_threshold=0.09, posterior_alpha=0.3,
+                       temperature=0.0, top_p=1, top_k=0, max_new_tokens=20, seed=0, fanout_mode="geometric",
+                       budget=12, downweight_c=0.5, backup="fast")
+    assert (cfg.method, cfg.ssd_budget, cfg.ssd_fanout_mode, cfg.ssd_backup) == ("sps", 12, "geometric", "fast")
+    ctx = PlaygroundContext("tiny", tiny_pair, ssd_devices="target=cpu:0,draft=cpu:1")
+    try:
+        run = RunState(method="ssd")
+        for _ in stream_run(ctx, cfg, tiny_pair.encode_prompt("hi"), threading.Event(), run, time.monotonic() + 120,
+                            ssd=True):
+            pass
+        assert run.finish is not None and not run.error and len(run.tokens) == 20
+        assert len(run.ssd_rounds) == len(run.rounds) and run.worker_events[0].kind == "started"
+        assert summary(run)["cache_hit_rate"] is not None
+        figures = live_figures(run, None)
+        timeline, cache = figures[4], figures[5]
+        assert {t.name for t in timeline.data} == {"draft", "target", "wait"}
+        assert "hit rate" in cache.layout.title.text and len(cache.data[0].x) == len(run.ssd_rounds)
+    finally:
+        ctx.ssd_engine().close()
