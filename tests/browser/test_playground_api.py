@@ -47,7 +47,7 @@ def test_generate_endpoint_returns_coloured_tokens_and_metrics(playground_url):
     ({0: "   "}, "prompt is empty"),
     ({2: 99}, "greater than maximum value 16|K must be between"),  # Gradio's own range check, or ours
     ({9: 100000}, "greater than maximum|max new tokens must be between"),
-    ({1: "ssd"}, "SSD|not in the list of choices"),
+    ({1: "ssd-x"}, "not in the list of choices|unknown method"),
     ({4: -1}, "less than minimum|temperature"),
 ])
 def test_bad_input_gets_a_clear_message(playground_url, bad, message):
@@ -111,3 +111,20 @@ def test_eight_concurrent_sessions_no_errors_no_cross_talk(playground_url):
         assert details["method"] == method
         assert details["token_ids"] == _direct(prompt, method, seed, 24), (prompt, method, seed)
     assert elapsed < 90
+
+
+def test_ssd_through_the_api_is_greedy_lossless(playground_url):
+    """The SSD method over HTTP (draft worker on its own core): greedy output equals plain AR."""
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("SSD needs two cores")
+    args = ("The sea is", "ssd", 4, 1.0, 0.0, 1.0, 0, 0.09, 0.3, 16, 0, "sps", "geometric", 12, 1.0, "neural")
+    _, status, details, _ = _client(playground_url).predict(*args, api_name="/generate")
+    pair = load_pair("tiny")
+    ar = [e for e in generate(pair.make_target(), None, pair.tokenizer, pair.encode_prompt("The sea is"),
+                              SpecConfig(method="ar", max_new_tokens=16), eos_token_ids=pair.eos_token_ids)
+          if isinstance(e, FinishEvent)][0]
+    assert details["token_ids"] == list(ar.token_ids)
+    assert details["method"] == "ssd" and details["metrics"]["cache_lookups"] > 0
+    assert "SSD cache hit rate" in status and "draft=cpu" in status
