@@ -307,21 +307,34 @@ class FastLlamaCausalLM(CausalLM):
     @torch.inference_mode()
     def forward_tree(self, tokens: Sequence[int], positions: Sequence[int], slot: int,
                      visible: torch.Tensor) -> torch.Tensor:
-        n = len(tokens)
-        if slot < self.length or len(positions) != n or tuple(visible.shape) != (n, slot + n):
-            raise ValueError(f"tree forward needs slot >= length ({self.length}), {n} positions and a "
-                             f"[{n}, {slot + n}] visibility mask; got slot {slot}, {len(positions)} positions, "
-                             f"mask {tuple(visible.shape)}")
         start = time.perf_counter()
-        self._ensure_capacity(max(slot + n, max(positions) + 1))
-        mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-        rope = self.rope[torch.tensor(list(positions)), None, :]
-        h = self._decode(self.w.embed[torch.tensor(list(tokens))], (rope, slot, mask))
+        h = self._tree_hidden(self.w.embed[torch.tensor(list(tokens))], positions, slot, visible)
         self.last_hidden = h
         logits = self.w.lm_head(h)[:, : self.vocab_size]
         self.forward_seconds += time.perf_counter() - start
         self.num_forwards += 1
         return logits
+
+    @torch.inference_mode()
+    def forward_tree_embeds(self, embeds: torch.Tensor, positions: Sequence[int], slot: int,
+                            visible: torch.Tensor) -> torch.Tensor:
+        """`forward_tree` on input vectors (feature drafts); returns final-norm hidden states [n, H]."""
+        start = time.perf_counter()
+        h = self._tree_hidden(embeds.float().clone(), positions, slot, visible)
+        self.forward_seconds += time.perf_counter() - start
+        self.num_forwards += 1
+        return h
+
+    def _tree_hidden(self, x: torch.Tensor, positions: Sequence[int], slot: int, visible: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if slot < self.length or len(positions) != n or tuple(visible.shape) != (n, slot + n):
+            raise ValueError(f"tree forward needs slot >= length ({self.length}), {n} positions and a "
+                             f"[{n}, {slot + n}] visibility mask; got slot {slot}, {len(positions)} positions, "
+                             f"mask {tuple(visible.shape)}")
+        self._ensure_capacity(max(slot + n, max(positions) + 1))
+        mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+        rope = self.rope[torch.tensor(list(positions)), None, :]
+        return self._decode(x, (rope, slot, mask))
 
     def _crop(self, tokens_to_remove: int) -> None:
         pass  # positions >= self.length are simply overwritten by the next forward

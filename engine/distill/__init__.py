@@ -1,0 +1,1 @@
+"""Distilling the default pair's draft from its target: `python -m engine.distill --help`."""

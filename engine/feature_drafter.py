@@ -1,0 +1,156 @@
+"""Drafting with the feature-level draft (see engine/models/feature_draft.py for the model).
+
+The recurrence (EAGLE): draft KV entry j holds the input x_j = fc([emb(t_j); f_{j-1}]), and the
+layer's output f̂_j gives the draft distribution D(t_{j+1}) = softmax(head(f̂_j)). Target features
+f arrive after every target forward (`observe_target`); positions the target has not seen yet
+(the tokens being drafted, or an SSD branch) use the draft's own f̂ instead, exactly as in
+training pass 2. Entries computed from a predicted feature are recomputed once the real one is
+known, so the draft never drifts from the target's view of the committed text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.drafters import Drafter, Proposal, ProposalShape
+from engine.models.causal_lm import CausalLM
+from engine.models.fast_llama import _Linear
+from engine.models.feature_draft import FeatureDraft
+from engine.sampling import SamplingParams, logits_to_probs, sample_from
+
+
+class FeatureDrafter(Drafter):
+    kind = "feature"
+    needs_target_features = True
+
+    def __init__(self, draft: FeatureDraft, lm: CausalLM, name: str, vocab_size: int,
+                 full_head: bool = False) -> None:
+        self.lm = lm  # the draft's decoder layer(s) with their own KV cache, fed through forward_embeds
+        self.name = name
+        self.vocab_size = vocab_size
+        dtype = getattr(lm, "weight_dtype", "float32")
+        head = draft.head_weight[:vocab_size]
+        self.head_ids = None if full_head else draft.vocab_ids
+        with torch.no_grad():
+            self.embed = draft.model.model.embed_tokens.weight.detach()
+            self.fc = _Linear(draft.fc.weight, dtype)
+            self.head = _Linear(head if full_head else head[draft.vocab_ids], dtype)
+        self._features = torch.empty(0, self.embed.shape[1])  # real target features f_0..f_{F-1}
+        self._entries: list[int] = []  # t_j of each draft KV entry j-1 (entry i is position i+1)
+        self._outputs: list[torch.Tensor] = []  # f̂ of each entry
+        self._real_entries = 0  # leading entries computed from real target features
+
+    def start(self) -> None:
+        self.lm.reset()
+        self._features = torch.empty(0, self.embed.shape[1])
+        self._entries, self._outputs, self._real_entries = [], [], 0
+
+    @property
+    def forward_seconds(self) -> float:
+        return self.lm.forward_seconds
+
+    def observe_target(self, start: int, hidden: torch.Tensor) -> None:
+        if start > len(self._features):
+            raise ValueError(f"target features jump from position {len(self._features)} to {start}")
+        self._features = torch.cat([self._features[:start], hidden.detach().float().cpu()])
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: torch.Tensor) -> Proposal:
+        if len(context) < 2:
+            raise ValueError("the feature draft needs at least two context tokens")
+        feature = self._sync(context)
+        tokens, rows = [], []
+        for i in range(k):
+            probs = logits_to_probs(self._logits(feature[None])[0], params)
+            token = int(sample_from(probs, uniforms[i]))
+            tokens.append(token)
+            rows.append(probs)
+            if i + 1 < k:
+                feature = self._feed([token], feature[None])[-1]
+        return Proposal(tokens, torch.stack(rows) if rows else torch.empty(0, self.vocab_size))
+
+    @torch.inference_mode()
+    def score(self, context: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """Draft logits after `context + tokens[:i]`, i = 0..len(tokens) (SSD's glue decode)."""
+        self._sync(list(context) + list(tokens))
+        m = len(context) - 1
+        return self._logits(torch.stack(self._outputs[m - 1:m + len(tokens)]))
+
+    @torch.inference_mode()
+    def propose_branches(self, context: Sequence[int], speculation: Sequence[int], forks: Sequence[tuple[int, int]],
+                         k: int, params: SamplingParams, uniforms: torch.Tensor,
+                         shape: ProposalShape | None = None) -> list[Proposal]:
+        """Every fork's branch in one tree forward per depth (see `ModelDrafter.propose_branches`).
+
+        A fork (d, y) puts token y at position p = len(context) + d; its input feature is the
+        draft's own f̂ of position p - 1 (the target has not verified it yet), and each later
+        branch token feeds the f̂ its branch just produced -- the drafting recurrence, per branch.
+        """
+        if not hasattr(self.lm, "forward_tree_embeds") or not forks:
+            return super().propose_branches(context, speculation, forks, k, params, uniforms, shape)
+        if k < 1:
+            raise ValueError(f"each branch needs k >= 1 drafted tokens, got {k}")
+        glue = list(context) + list(speculation)
+        self._sync(glue)
+        n, base = len(forks), len(self._entries)  # entry i holds position i + 1
+        depth = torch.tensor([d for d, _ in forks])
+        if depth.min() < 0 or depth.max() > len(speculation):
+            raise ValueError(f"fork depths must be in [0, {len(speculation)}]")
+        positions = len(context) + depth  # sequence position of each branch's first token
+        feature = torch.stack([self._outputs[p - 2] for p in positions.tolist()])
+        feed = torch.tensor([int(y) for _, y in forks])
+        visible = torch.arange(base)[None, :] < (positions - 1)[:, None]  # entries of positions < p
+        own = torch.zeros(n, 0, dtype=torch.bool)
+        eye = torch.eye(n, dtype=torch.bool)
+        tokens, rows = [], []
+        for i in range(k):
+            own = torch.cat([own, eye], dim=1)
+            x = self.fc(torch.cat([self.embed[feed], feature], dim=-1))
+            feature = self.lm.forward_tree_embeds(x, (positions - 1 + i).tolist(), base + i * n,
+                                                  torch.cat([visible, own], dim=1))
+            probs = logits_to_probs(self._logits(feature), params)
+            if shape is not None:
+                probs = shape(probs, i)
+            feed = sample_from(probs, uniforms[:, i])
+            tokens.append(feed)
+            rows.append(probs)
+        tokens_t, probs_t = torch.stack(tokens, dim=1), torch.stack(rows, dim=1)
+        return [Proposal(tokens_t[b].tolist(), probs_t[b]) for b in range(n)]
+
+    def _sync(self, context: Sequence[int]) -> torch.Tensor:
+        """Bring the draft KV to entries for positions 1..len(context)-1; return f̂ of the last one."""
+        m = len(context) - 1
+        known = len(self._features)
+        keep = 0  # leading entries whose token matches and whose input feature was a real one
+        limit = min(len(self._entries), m - 1, self._real_entries, known)
+        while keep < limit and self._entries[keep] == context[keep + 1]:
+            keep += 1
+        self.lm.rollback(keep)
+        del self._entries[keep:], self._outputs[keep:]
+        real_end = min(m, known)
+        if real_end > keep:  # one batched forward over every entry with a real input feature
+            self._feed(context[keep + 1:real_end + 1], self._features[keep:real_end])
+        self._real_entries = max(keep, real_end)
+        for j in range(len(self._entries) + 1, m + 1):  # beyond the target's features: the draft's own f̂
+            if not self._outputs:
+                raise ValueError("the feature draft needs the target's features of the context (observe_target)")
+            self._feed([context[j]], self._outputs[-1][None])
+        return self._outputs[-1]
+
+    def _feed(self, tokens: Sequence[int], features: torch.Tensor) -> torch.Tensor:
+        x = self.fc(torch.cat([self.embed[torch.tensor(list(tokens))], features], dim=-1))
+        out = self.lm.forward_embeds(x)
+        self._entries.extend(int(t) for t in tokens)
+        self._outputs.extend(out.unbind(0))
+        return out
+
+    def _logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [n, V]; a reduced head leaves -inf (zero probability) outside V'."""
+        logits = self.head(features)
+        if self.head_ids is None:
+            return logits
+        full = torch.full((features.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.head_ids] = logits
+        return full

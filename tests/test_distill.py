@@ -1,0 +1,57 @@
+"""The distillation pipeline end to end on the tiny pair: teacher shards, training, resume, export."""
+
+import pytest
+import torch
+
+from engine.distill.teacher_data import TeacherDataConfig, build, existing_shards
+from engine.distill.train import TrainConfig, export, train
+from engine.distill.training_prompts import training_prompts
+from engine.models.feature_draft import draft_card, load_feature_draft
+from engine.prompts import held_out_prompts
+
+
+def test_training_prompts_exclude_the_held_out_set():
+    prompts = training_prompts()
+    assert len(prompts) > 1000 and len(set(prompts)) == len(prompts)
+    assert not set(prompts) & set(held_out_prompts())
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_pair, tmp_path_factory):
+    work = tmp_path_factory.mktemp("distill")
+    build(tiny_pair, TeacherDataConfig(out_dir=work / "data", shards=3, batch_size=6, max_new_tokens=16))
+    return work
+
+
+def test_teacher_shards_hold_the_targets_own_features_and_top_k(tiny_pair, shards):
+    paths = existing_shards(shards / "data")
+    assert len(paths) == 3
+    shard = torch.load(paths[1])
+    tokens, feats, top = shard["tokens"][0], shard["features"][0], shard["top_ids"][0]
+    assert len(tokens) == len(feats) == len(top) > shard["prompt_lengths"][0]
+    target = tiny_pair.make_target("transformers")
+    target.keep_hidden = True
+    logits = target.forward(tokens.tolist(), last_n=len(tokens))
+    torch.testing.assert_close(feats.float(), target.last_hidden, atol=2e-2, rtol=1e-2)  # stored as fp16
+    assert torch.equal(top[:, 0], logits.argmax(-1))
+    mtime = paths[0].stat().st_mtime
+    build(tiny_pair, TeacherDataConfig(out_dir=shards / "data", shards=3, batch_size=6, max_new_tokens=16))
+    assert paths[0].stat().st_mtime == mtime  # resumable: existing shards are kept
+
+
+def test_training_lowers_the_loss_resumes_and_exports(tiny_pair, shards, tmp_path):
+    logs = []
+    cfg = TrainConfig(work_dir=shards, vocab_size=128, tokens=1500, batch_sequences=4, eval_every=4, lr=3e-3)
+    train(tiny_pair.target_model, cfg, log=logs.append)
+    first = torch.load(shards / "train" / "checkpoint.pt", weights_only=False)
+    history = first["history"]
+    assert history["train_loss"][-1] < history["train_loss"][0]
+    assert history["overlap_step1"][-1] > history["overlap_step1"][0]
+    cfg.tokens = 2500
+    train(tiny_pair.target_model, cfg, log=logs.append)
+    assert any(line.startswith(f"resumed at step {first['step']}") for line in logs)
+    out = tmp_path / "draft.safetensors"
+    card = export(tiny_pair.target_model, shards, out, "tiny test draft")
+    assert draft_card(out)["steps"] == card["steps"] > first["step"]
+    draft = load_feature_draft(out, tiny_pair.target_model)
+    assert len(draft.vocab_ids) == 128

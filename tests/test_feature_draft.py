@@ -1,0 +1,149 @@
+"""The feature-level draft: save/load, exactness of SpS with it, and its incremental KV bookkeeping."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.config import SpecConfig
+from engine.decoding import generate
+from engine.events import RoundEvent
+from engine.feature_drafter import FeatureDrafter
+from engine.models.feature_draft import FeatureDraft, draft_card, load_feature_draft
+from engine.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def feature_pair(tiny_pair, tmp_path_factory):
+    """The tiny target with a (random, saved and reloaded) feature draft on a 200-token head."""
+    torch.manual_seed(0)
+    draft = FeatureDraft(tiny_pair.target_model, torch.randperm(tiny_pair.vocab_size)[:200])
+    with torch.no_grad():
+        draft.fc.weight.normal_(0, 0.05)
+    path = tmp_path_factory.mktemp("draft") / "draft.safetensors"
+    draft.save(path, {"description": "tiny feature draft"})
+    return replace(tiny_pair, feature_draft=load_feature_draft(path, tiny_pair.target_model),
+                   draft_description=draft_card(path)["description"])
+
+
+def test_saved_draft_reloads_exactly_and_ships_only_its_own_weights(tiny_pair, tmp_path):
+    draft = FeatureDraft(tiny_pair.target_model, torch.arange(100))
+    path = tmp_path / "d.safetensors"
+    draft.save(path, {"description": "x"})
+    again = load_feature_draft(path, tiny_pair.target_model)
+    for name, value in draft.trainable_state().items():
+        assert torch.equal(value, again.state_dict()[name]), name
+    assert not any("embed_tokens" in k or "lm_head" in k for k in draft.trainable_state())
+    assert again.head_weight.data_ptr() == tiny_pair.target_model.lm_head.weight.data_ptr()
+    with pytest.raises(ValueError, match="not a feature draft"):
+        load_feature_draft(tiny_pair_file(tiny_pair), tiny_pair.target_model)
+
+
+def tiny_pair_file(pair):
+    from engine.models.tiny import tiny_pair_dirs
+
+    return tiny_pair_dirs()[0] / "model.safetensors"
+
+
+def test_registry_hands_out_the_feature_drafter(feature_pair, backend):
+    drafter = feature_pair.make_drafter("model", backend)
+    assert isinstance(drafter, FeatureDrafter) and drafter.needs_target_features
+
+
+@pytest.mark.parametrize("method", ["sps", "cactus"])
+def test_greedy_speculative_with_feature_draft_equals_autoregressive(feature_pair, method, backend):
+    prompt = feature_pair.encode_prompt("Once upon a time")
+    cfg = SpecConfig(method="ar", max_new_tokens=30, temperature=0.0)
+    ar = list(generate(feature_pair.make_target(backend), None, feature_pair.tokenizer, prompt, cfg))[-1]
+    events = list(generate(feature_pair.make_target(backend), feature_pair.make_drafter("model", backend),
+                           feature_pair.tokenizer, prompt, replace(cfg, method=method, num_speculative_tokens=3)))
+    assert events[-1].token_ids == ar.token_ids
+    assert sum(e.num_draft_tokens for e in events if isinstance(e, RoundEvent)) > 0
+
+
+def _features(pair, backend, tokens):
+    target = pair.make_target(backend)
+    target.keep_hidden = True
+    target.forward(tokens)
+    return target.last_hidden
+
+
+def test_incremental_state_matches_a_fresh_drafter(feature_pair, backend):
+    """After accepting part of a proposal, observing new features and drafting again, the drafter
+    proposes exactly what a fresh one given the same context and features proposes; also for a
+    context that runs past the known features (an SSD branch)."""
+    tokens = feature_pair.encode_prompt("a feature draft test") + [5, 9, 17, 33, 65, 129, 7]
+    feats = _features(feature_pair, backend, tokens)
+    params = SamplingParams(temperature=0.9)
+    u = torch.rand(4)
+    a = feature_pair.make_drafter("model", backend)
+    a.start()
+    a.observe_target(0, feats[:-6])
+    a.propose(tokens[:-5], 4, params, u)
+    a.observe_target(len(tokens) - 6, feats[-6:-3])  # two of the drafted positions verified
+    for context in (tokens[:-2], tokens):  # second: three positions past the known features
+        b = feature_pair.make_drafter("model", backend)
+        b.start()
+        b.observe_target(0, feats[:-3])
+        pa, pb = a.propose(context, 4, params, u), b.propose(context, 4, params, u)
+        assert pa.tokens == pb.tokens
+        torch.testing.assert_close(pa.probs, pb.probs, rtol=1e-4, atol=1e-6)
+
+
+def test_reduced_head_gives_zero_probability_outside_its_vocabulary(feature_pair):
+    drafter = feature_pair.make_drafter("model")
+    tokens = feature_pair.encode_prompt("zero mass outside")
+    drafter.start()
+    drafter.observe_target(0, _features(feature_pair, "fast", tokens)[:-1])
+    probs = drafter.propose(tokens, 3, SamplingParams(temperature=1.0), torch.rand(3)).probs
+    outside = torch.ones(feature_pair.vocab_size, dtype=torch.bool)
+    outside[feature_pair.feature_draft.vocab_ids] = False
+    assert probs[:, outside].sum() == 0 and torch.allclose(probs.sum(-1), torch.ones(3))
+
+
+def test_sps_with_a_reduced_head_draft_samples_the_target_distribution(feature_pair):
+    """SpS stays exact although the draft puts zero mass outside V' (first token over many seeds)."""
+    from tests.stats import matches
+
+    prompt = feature_pair.encode_prompt("stats")
+    target, drafter = feature_pair.make_target(), feature_pair.make_drafter("model")
+    firsts, drafted = [], 0
+    for seed in range(800):
+        cfg = SpecConfig(method="sps", num_speculative_tokens=2, max_new_tokens=3, temperature=1.0, seed=seed)
+        events = list(generate(target, drafter, feature_pair.tokenizer, prompt, cfg))
+        firsts.append(events[-1].token_ids[0])
+        drafted += next(e for e in events if isinstance(e, RoundEvent)).num_draft_tokens
+    assert drafted == 2 * 800
+    reference = feature_pair.make_target("transformers")
+    assert matches(torch.tensor(firsts), torch.softmax(reference.forward(prompt)[-1], dim=-1))
+
+
+def test_drafter_without_target_features_says_so(feature_pair):
+    drafter = feature_pair.make_drafter("model")
+    drafter.start()
+    with pytest.raises(ValueError, match="target's features"):
+        drafter.propose([1, 2, 3], 2, SamplingParams(), torch.rand(2))
+
+
+def test_branch_tree_matches_one_branch_at_a_time(feature_pair):
+    """SSD's cache fill: the batched tree pass drafts exactly what per-branch drafting does."""
+    from engine.drafters import Drafter
+
+    tokens = feature_pair.encode_prompt("branches") + [11, 12, 13]
+    drafter = feature_pair.make_drafter("model", "fast", "float32")
+    drafter.start()
+    drafter.observe_target(0, _features(feature_pair, "fast", tokens)[:-1])
+    params = SamplingParams(temperature=0.8)
+    spec = drafter.propose(tokens, 3, params, torch.rand(3)).tokens
+    forks = [(0, 7), (1, 9), (2, 11), (3, 13), (3, 14)]
+    uniforms = torch.rand(len(forks), 3)
+    shape = lambda probs, i: (probs + 0.01) / (probs + 0.01).sum(-1, keepdim=True)  # noqa: E731
+    for s in (None, shape):
+        tree = drafter.propose_branches(tokens, spec, forks, 3, params, uniforms, s)
+        loop = Drafter.propose_branches(drafter, tokens, spec, forks, 3, params, uniforms, s)
+        for a, b in zip(tree, loop):
+            assert a.tokens == b.tokens
+            torch.testing.assert_close(a.probs, b.probs, rtol=1e-4, atol=1e-6)
+    rows = drafter.score(tokens, spec)
+    first = drafter.propose(tokens, 1, SamplingParams(temperature=1.0), torch.rand(1)).probs[0]
+    torch.testing.assert_close(torch.softmax(rows[0], -1), first, rtol=1e-4, atol=1e-6)
