@@ -145,7 +145,12 @@ def run_peer(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: Sp
         if drafter == "ngram":
             gen_cfg.prompt_lookup_num_tokens = cfg.num_speculative_tokens
         else:
-            kwargs["assistant_model"] = pair.target_model if drafter == "self" else pair.draft_model
+            assistant = {"self": pair.target_model, "model": pair.draft_model}.get(drafter)
+            if assistant is None:
+                raise ValueError(f"hf-assisted cannot run the {drafter!r} drafter of pair {pair.name!r}: HF assisted "
+                                 "generation needs a standalone draft model (the default pair's draft reads the "
+                                 "target's features, EAGLE-style); use --peers hf-ar, or --drafter ngram/self")
+            kwargs["assistant_model"] = assistant
     new = elapsed = 0.0
     try:
         for i, ids in enumerate(prompts):
@@ -223,7 +228,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="weight format of the fast backend (float32 is the reference)")
     ap.add_argument("--methods", default="ar,sps,tas,cactus",
                     help=f"comma list of {', '.join(DECODE_METHODS + (SSD_METHOD,))}")
-    ap.add_argument("--peers", default="hf-ar,hf-assisted",
+    ap.add_argument("--peers", default="hf-ar",
                     help="comma list of hf-ar, hf-assisted, llama.cpp (needs llama-cpp-python) ('' for none)")
     add_spec_arguments(ap)
     ssd = ap.add_argument_group("SSD (method ssd)")

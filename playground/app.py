@@ -254,8 +254,9 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
                                        max_new_tokens=max_new_v, seed=seed_v)
                 except ValueError as err:
                     return f"# invalid settings: {err}"
+                eagle = pair.feature_draft is not None and ctx.drafter_kind == "model"
                 text = speculative_config_text(cfg, VLLM_TARGET_NAMES.get(ctx.pair_name, ctx.pair_name),
-                                               pair.draft_description, ctx.drafter_kind)
+                                               pair.draft_description, "eagle" if eagle else ctx.drafter_kind)
                 if method_v == "ssd":
                     return ("# vLLM has no asynchronous speculation cache (SSD); the synchronous equivalent of its "
                             "rule:\n" + text)

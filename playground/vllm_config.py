@@ -18,6 +18,9 @@ def speculative_config(cfg: SpecConfig, draft_model: str, drafter: str = "model"
     k = cfg.num_speculative_tokens
     if drafter == "ngram":
         spec: dict = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    elif drafter == "eagle":
+        # A feature-level draft is vLLM's EAGLE method (its checkpoint layout differs from ours).
+        spec = {"method": "eagle", "model": draft_model, "num_speculative_tokens": k}
     else:
         spec = {"method": "draft_model", "model": draft_model, "num_speculative_tokens": k}
         if cfg.temperature > 0:

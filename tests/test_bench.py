@@ -8,8 +8,8 @@ from engine import bench
 
 def test_bench_writes_rows_for_every_method_and_peer(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    bench.main(["--pair", "tiny", "--methods", "ar,sps,tas,cactus", "--prompts", "1", "--repeats", "1",
-                "--max-new-tokens", "12", "--k", "3", "--json", str(out)])
+    bench.main(["--pair", "tiny", "--methods", "ar,sps,tas,cactus", "--peers", "hf-ar,hf-assisted", "--prompts", "1",
+                "--repeats", "1", "--max-new-tokens", "12", "--k", "3", "--json", str(out)])
     rows = {r["method"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"ar", "sps", "tas", "cactus", "hf-ar", "hf-assisted"}
     for row in rows.values():
@@ -23,6 +23,13 @@ def test_bench_writes_rows_for_every_method_and_peer(tmp_path, capsys):
     assert rows["sps"]["mean_kl_per_token"] == 0.0
     assert 0.0 <= rows["sps"]["draft_acceptance_rate"] <= 1.0
     assert "tokens_per_s" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_hf_assisted_refuses_a_draft_it_cannot_run(default_pair):
+    with pytest.raises(SystemExit, match="needs a standalone draft model"):
+        bench.main(["--pair", "default", "--methods", "ar", "--peers", "hf-assisted", "--prompts", "1",
+                    "--repeats", "1", "--max-new-tokens", "4"])
 
 
 def test_bench_rejects_unknown_methods():

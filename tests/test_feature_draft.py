@@ -32,7 +32,7 @@ def test_saved_draft_reloads_exactly_and_ships_only_its_own_weights(tiny_pair, t
     draft.save(path, {"description": "x"})
     again = load_feature_draft(path, tiny_pair.target_model)
     for name, value in draft.trainable_state().items():
-        assert torch.equal(value, again.state_dict()[name]), name
+        assert torch.equal(value.half().float(), again.state_dict()[name]), name  # fp16 on disk
     assert not any("embed_tokens" in k or "lm_head" in k for k in draft.trainable_state())
     assert again.head_weight.data_ptr() == tiny_pair.target_model.lm_head.weight.data_ptr()
     with pytest.raises(ValueError, match="not a feature draft"):
@@ -108,12 +108,12 @@ def test_sps_with_a_reduced_head_draft_samples_the_target_distribution(feature_p
     prompt = feature_pair.encode_prompt("stats")
     target, drafter = feature_pair.make_target(), feature_pair.make_drafter("model")
     firsts, drafted = [], 0
-    for seed in range(800):
+    for seed in range(500):
         cfg = SpecConfig(method="sps", num_speculative_tokens=2, max_new_tokens=3, temperature=1.0, seed=seed)
         events = list(generate(target, drafter, feature_pair.tokenizer, prompt, cfg))
         firsts.append(events[-1].token_ids[0])
         drafted += next(e for e in events if isinstance(e, RoundEvent)).num_draft_tokens
-    assert drafted == 2 * 800
+    assert drafted == 2 * 500
     reference = feature_pair.make_target("transformers")
     assert matches(torch.tensor(firsts), torch.softmax(reference.forward(prompt)[-1], dim=-1))
 

@@ -110,6 +110,7 @@ def test_vllm_config_names():
     assert sps["num_speculative_tokens"] == 4 and sps["draft_sample_method"] == "probabilistic"
     assert speculative_config(SpecConfig(method="cactus", delta=0.5), "d")["cactus_delta"] == 0.5
     assert "typical_acceptance_sampler_posterior_threshold" in speculative_config(SpecConfig(method="tas"), "d")
+    assert speculative_config(SpecConfig(method="sps"), "d", "eagle")["method"] == "eagle"
 
 
 def test_pareto_front():

@@ -69,7 +69,9 @@ class FeatureDraft(nn.Module):
         return F.linear(features, self.head_weight[self.vocab_ids])
 
     def save(self, path: Path, card: dict) -> None:
-        state = {k: v.detach().contiguous() for k, v in self.trainable_state().items()}
+        """fp16 on disk (the fast backend decodes with fp16 weights anyway): small enough for the
+        repository and for a Space without Git LFS."""
+        state = {k: v.detach().half().contiguous() for k, v in self.trainable_state().items()}
         state["vocab_ids"] = self.vocab_ids.to(torch.int32).contiguous()
         meta = {"format": "specplay-feature-draft-v1", "num_layers": str(len(self.model.model.layers)),
                 "card": json.dumps(card)}
@@ -84,7 +86,7 @@ def load_feature_draft(path: Path, target: PreTrainedModel) -> FeatureDraft:
         meta = f.metadata() or {}
     if meta.get("format") != "specplay-feature-draft-v1":
         raise ValueError(f"{path} is not a feature draft (format {meta.get('format')!r})")
-    state = load_file(str(path))
+    state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
     vocab_ids = state.pop("vocab_ids")
     draft = FeatureDraft(target, vocab_ids, num_layers=int(meta["num_layers"]), init_from_layer=None)
     missing, unexpected = draft.load_state_dict(state, strict=False)

@@ -7,7 +7,7 @@ fresh per-generation state (KV caches), so several generations can share one loa
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -16,21 +16,25 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.utils import logging as hf_logging
 
 from engine.drafters import Drafter, ModelDrafter, NgramDrafter
+from engine.feature_drafter import FeatureDrafter
 from engine.models.causal_lm import CausalLM, HFCausalLM
 from engine.models.embedded import embedded_target_dir
 from engine.models.fast_llama import WEIGHT_DTYPES, FastLlamaCausalLM, fast_backend_supported
-from engine.models.layer_subset import layer_subset_model
+from engine.models.feature_draft import FeatureDraft, draft_card, load_feature_draft
 from engine.models.tiny import tiny_pair_dirs
 
 PAIRS = ("default", "tiny")
-DRAFTER_KINDS = ("model", "ngram", "self")
+# model: the pair's draft (for a feature draft, with its reduced-vocabulary head);
+# model-full-vocab: the same feature draft through the target's full LM head (a measured candidate);
+# self / self-int8: the target drafting for itself (a sanity check / the quantized self-draft).
+DRAFTER_KINDS = ("model", "model-full-vocab", "ngram", "self", "self-int8")
 BACKENDS = ("auto", "transformers", "fast")
 # fp16 weights were measured fastest on CPU with fp32-level fidelity (assets/FAST_BACKEND.md);
 # fp32 stays the reference mode.
 DEFAULT_FAST_WEIGHTS = "float16"
-# Until the project ships a trained draft, the default draft is an early exit of the target:
-# its first layers plus the target's final norm and LM head (chosen by measured acceptance).
-DEFAULT_DRAFT_LAYERS = (0, 1, 2, 3, 4, 5)
+# The default pair's draft: a feature-level (EAGLE-style) draft distilled from the target by
+# `python -m engine.distill`; its model card is assets/DEFAULT_DRAFT.md.
+DEFAULT_DRAFT_FILE = Path(__file__).resolve().parents[2] / "assets" / "default_draft.safetensors"
 
 hf_logging.disable_progress_bar()  # our own messages say what is loading
 
@@ -43,6 +47,7 @@ class ModelPair:
     draft_model: PreTrainedModel | None
     draft_description: str
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    feature_draft: FeatureDraft | None = None  # a draft that reads the target's features
 
     @property
     def vocab_size(self) -> int:
@@ -53,6 +58,13 @@ class ModelPair:
 
     def make_drafter(self, kind: str = "model", backend: str = "auto",
                      weight_dtype: str = DEFAULT_FAST_WEIGHTS) -> Drafter:
+        if kind in ("model", "model-full-vocab") and self.feature_draft is not None:
+            lm = self._causal_lm(self.feature_draft.model, f"{self.name}/draft", backend, weight_dtype)
+            full = kind == "model-full-vocab"
+            return FeatureDrafter(self.feature_draft, lm, self.draft_description + (" (full head)" if full else ""),
+                                  self.vocab_size, full_head=full)
+        if kind == "model-full-vocab":
+            raise ValueError(f"pair {self.name!r} has no feature draft; 'model-full-vocab' needs one")
         if kind == "model":
             if self.draft_model is None:
                 raise ValueError(f"pair {self.name!r} has no draft model; use the 'ngram' drafter")
@@ -61,6 +73,11 @@ class ModelPair:
         if kind == "self":
             return ModelDrafter(self._causal_lm(self.target_model, f"{self.name}/target-as-draft", backend,
                                                 weight_dtype), "the target itself")
+        if kind == "self-int8":
+            if backend == "transformers":
+                raise ValueError("the int8 self-draft needs the fast backend")
+            return ModelDrafter(self._causal_lm(self.target_model, f"{self.name}/target-int8", "fast", "int8"),
+                                "the target itself, int8 weights")
         if kind == "ngram":
             return NgramDrafter(self.vocab_size)
         raise ValueError(f"unknown drafter {kind!r}; expected one of {', '.join(DRAFTER_KINDS)}")
@@ -131,14 +148,24 @@ def load_pair(name: str = "default", target: str | None = None, draft: str | Non
         return ModelPair("tiny", tokenizer, target_model, _load_dir(draft_dir),
                          "tiny random Llama (target's layer 0)", _eos_ids(tokenizer, target_model))
     if name == "default":
-        target_dir = embedded_target_dir()
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        target_model = _load_dir(target_dir)
-        draft_model = layer_subset_model(target_model, DEFAULT_DRAFT_LAYERS)
-        layers = f"{DEFAULT_DRAFT_LAYERS[0]}-{DEFAULT_DRAFT_LAYERS[-1]}"
-        return ModelPair("default", tokenizer, target_model, draft_model,
-                         f"SmolLM2-135M layers {layers} (early exit, untrained)", _eos_ids(tokenizer, target_model))
+        target = load_default_target()
+        if not DEFAULT_DRAFT_FILE.exists():
+            raise ValueError(f"the default draft {DEFAULT_DRAFT_FILE} is missing; rebuild it with "
+                             "`python -m engine.distill data && python -m engine.distill train && "
+                             "python -m engine.distill export`")
+        draft = load_feature_draft(DEFAULT_DRAFT_FILE, target.target_model)
+        description = draft_card(DEFAULT_DRAFT_FILE).get("description", "feature draft")
+        return replace(target, name="default", draft_description=description, feature_draft=draft)
     raise ValueError(f"unknown pair {name!r}; expected one of {', '.join(PAIRS)}, or give target= and draft=")
+
+
+@lru_cache(maxsize=1)
+def load_default_target() -> ModelPair:
+    """The embedded target alone, without a draft: what distillation starts from."""
+    target_dir = embedded_target_dir()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target_model = _load_dir(target_dir)
+    return ModelPair("default-target", tokenizer, target_model, None, "none", _eos_ids(tokenizer, target_model))
 
 
 def _load_hf_pair(target: str, draft: str | None) -> ModelPair:
