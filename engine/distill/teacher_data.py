@@ -28,7 +28,7 @@ class TeacherDataConfig:
     out_dir: Path
     shards: int = 40
     batch_size: int = 32
-    max_new_tokens: int = 160
+    max_new_tokens: int = 128
     temperature: float = 0.7
     top_p: float = 0.95
     seed: int = 0

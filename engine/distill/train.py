@@ -42,7 +42,7 @@ class TrainConfig:
 
 
 @dataclass
-class Sequence_:
+class TeacherSequence:
     tokens: torch.Tensor
     features: torch.Tensor
     top_ids: torch.Tensor
@@ -60,18 +60,18 @@ class History:
     overlap_step2: list[float] = field(default_factory=list)
 
 
-def load_sequences(paths: list[Path]) -> list[Sequence_]:
+def load_sequences(paths: list[Path]) -> list[TeacherSequence]:
     out = []
     for path in paths:
         shard = torch.load(path)
         for toks, feats, ids, lps, plen in zip(shard["tokens"], shard["features"], shard["top_ids"],
                                                shard["top_logprobs"], shard["prompt_lengths"]):
             if len(toks) > plen + 1:
-                out.append(Sequence_(toks, feats, ids.long(), lps, max(1, plen - 1)))
+                out.append(TeacherSequence(toks, feats, ids.long(), lps, max(1, plen - 1)))
     return out
 
 
-def choose_vocabulary(sequences: list[Sequence_], size: int, vocab_size: int) -> torch.Tensor:
+def choose_vocabulary(sequences: list[TeacherSequence], size: int, vocab_size: int) -> torch.Tensor:
     """V': the tokens the target actually writes or ranks first, most frequent first, topped up with
     the lowest ids (BPE ids roughly follow merge frequency)."""
     counts = torch.zeros(vocab_size)
@@ -87,7 +87,7 @@ def choose_vocabulary(sequences: list[Sequence_], size: int, vocab_size: int) ->
     return chosen.sort().values
 
 
-def _batch(seqs: list[Sequence_]) -> dict[str, torch.Tensor]:
+def _batch(seqs: list[TeacherSequence]) -> dict[str, torch.Tensor]:
     """Right-padded batch of (t_j, f_{j-1}) inputs and position-j targets for j = 1..L-1."""
     width = max(len(s.tokens) for s in seqs) - 1
     b, hidden, k = len(seqs), seqs[0].features.shape[1], seqs[0].top_ids.shape[1]
