@@ -10,6 +10,7 @@ known, so the draft never drifts from the target's view of the committed text.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -41,6 +42,7 @@ class FeatureDrafter(Drafter):
         self._entries: list[int] = []  # t_j of each draft KV entry j-1 (entry i is position i+1)
         self._outputs: list[torch.Tensor] = []  # f̂ of each entry
         self._real_entries = 0  # leading entries computed from real target features
+        self._extra_seconds = 0.0  # fc and head time (the layer's own time is lm.forward_seconds)
 
     def start(self) -> None:
         self.lm.reset()
@@ -49,7 +51,8 @@ class FeatureDrafter(Drafter):
 
     @property
     def forward_seconds(self) -> float:
-        return self.lm.forward_seconds
+        """The whole draft model: fc, the decoder layer(s) and the head (not just the layer)."""
+        return self.lm.forward_seconds + self._extra_seconds
 
     def observe_target(self, start: int, hidden: torch.Tensor) -> None:
         if start > len(self._features):
@@ -107,7 +110,7 @@ class FeatureDrafter(Drafter):
         tokens, rows = [], []
         for i in range(k):
             own = torch.cat([own, eye], dim=1)
-            x = self.fc(torch.cat([self.embed[feed], feature], dim=-1))
+            x = self._input(feed, feature)
             feature = self.lm.forward_tree_embeds(x, (positions - 1 + i).tolist(), base + i * n,
                                                   torch.cat([visible, own], dim=1))
             probs = logits_to_probs(self._logits(feature), params)
@@ -140,17 +143,26 @@ class FeatureDrafter(Drafter):
         return self._outputs[-1]
 
     def _feed(self, tokens: Sequence[int], features: torch.Tensor) -> torch.Tensor:
-        x = self.fc(torch.cat([self.embed[torch.tensor(list(tokens))], features], dim=-1))
+        x = self._input(torch.tensor(list(tokens)), features)
         out = self.lm.forward_embeds(x)
         self._entries.extend(int(t) for t in tokens)
         self._outputs.extend(out.unbind(0))
         return out
 
+    def _input(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """x_j = fc([emb(t_j); f_{j-1}])."""
+        start = time.perf_counter()
+        x = self.fc(torch.cat([self.embed[tokens], features], dim=-1))
+        self._extra_seconds += time.perf_counter() - start
+        return x
+
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [n, V]; a reduced head leaves -inf (zero probability) outside V'."""
+        start = time.perf_counter()
         logits = self.head(features)
-        if self.head_ids is None:
-            return logits
-        full = torch.full((features.shape[0], self.vocab_size), float("-inf"))
-        full[:, self.head_ids] = logits
-        return full
+        if self.head_ids is not None:
+            full = torch.full((features.shape[0], self.vocab_size), float("-inf"))
+            full[:, self.head_ids] = logits
+            logits = full
+        self._extra_seconds += time.perf_counter() - start
+        return logits
