@@ -17,7 +17,7 @@ import torch
 
 from engine.drafters import Drafter, Proposal, ProposalShape
 from engine.models.causal_lm import CausalLM
-from engine.models.fast_llama import _Linear
+from engine.models.fast_llama import PackedLinear
 from engine.models.feature_draft import FeatureDraft
 from engine.sampling import SamplingParams, logits_to_probs, sample_from
 
@@ -36,8 +36,8 @@ class FeatureDrafter(Drafter):
         self.head_ids = None if full_head else draft.vocab_ids
         with torch.no_grad():
             self.embed = draft.model.model.embed_tokens.weight.detach()
-            self.fc = _Linear(draft.fc.weight, dtype)
-            self.head = _Linear(head if full_head else head[draft.vocab_ids], dtype)
+            self.fc = PackedLinear(draft.fc.weight, dtype)
+            self.head = PackedLinear(head if full_head else head[draft.vocab_ids], dtype)
         self._features = torch.empty(0, self.embed.shape[1])  # real target features f_0..f_{F-1}
         self._entries: list[int] = []  # t_j of each draft KV entry j-1 (entry i is position i+1)
         self._outputs: list[torch.Tensor] = []  # f̂ of each entry

@@ -71,7 +71,7 @@ _ONEDNN_FP32 = torch.backends.mkldnn.is_available() and _has_op("mkldnn", "_line
 _FBGEMM_FP16 = "fbgemm" in torch.backends.quantized.supported_engines and _has_op("quantized", "linear_dynamic_fp16")
 
 
-class _Linear:
+class PackedLinear:
     """y = x @ W.T for float32 x [M, in] -> float32 y [M, out], W stored in `dtype`.
 
     float32  oneDNN with a prepacked weight (falls back to F.linear).
@@ -138,10 +138,10 @@ class _Layer:
         # The softmax scale is folded into W_q (exact when sqrt(head_dim) is a power of two, as for 64).
         q = _interleave_heads(attn.q_proj.weight.detach(), head_dim) * head_dim**-0.5
         k = _interleave_heads(attn.k_proj.weight.detach(), head_dim)
-        self.qkv = _Linear(torch.cat([q, k, attn.v_proj.weight.detach()]), dtype)
-        self.o = _Linear(attn.o_proj.weight, dtype)
-        self.gate_up = _Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), dtype)
-        self.down = _Linear(mlp.down_proj.weight, dtype)
+        self.qkv = PackedLinear(torch.cat([q, k, attn.v_proj.weight.detach()]), dtype)
+        self.o = PackedLinear(attn.o_proj.weight, dtype)
+        self.gate_up = PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), dtype)
+        self.down = PackedLinear(mlp.down_proj.weight, dtype)
 
 
 class FastLlamaWeights:
@@ -165,7 +165,7 @@ class FastLlamaWeights:
             self.embed = model.model.embed_tokens.weight.detach()  # lookups stay float32, shared
             self.layers = [_Layer(layer, weight_dtype, self.head_dim) for layer in model.model.layers]
             self.norm = model.model.norm.weight.detach()
-            self.lm_head = _Linear(model.lm_head.weight, weight_dtype)
+            self.lm_head = PackedLinear(model.lm_head.weight, weight_dtype)
         rotary = model.model.rotary_emb
         self.inv_freq = rotary.inv_freq.detach().float().clone()
         self.rope_scaling = float(rotary.attention_scaling)
