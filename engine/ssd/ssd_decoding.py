@@ -158,6 +158,10 @@ class SSDEngine:
             raise WorkerLost(self._lost(f"could not be reached ({type(err).__name__})")) from err
 
     def _lost(self, what: str) -> str:
+        if self.alive and self._process is not None:
+            # A closed pipe usually means the process is dying: give it a moment to be reaped, so
+            # the message says "exited" (with its exit code) rather than "running".
+            self._process.join(timeout=1.0)
         if self.alive:
             return f"the draft worker is running but {what}"
         code = self._process.exitcode if self._process is not None else None
