@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from functools import cached_property
 from collections.abc import Sequence
 
 import torch
@@ -165,10 +166,17 @@ class FastLlamaWeights:
             self.embed = model.model.embed_tokens.weight.detach()  # lookups stay float32, shared
             self.layers = [_Layer(layer, weight_dtype, self.head_dim) for layer in model.model.layers]
             self.norm = model.model.norm.weight.detach()
-            self.lm_head = PackedLinear(model.lm_head.weight, weight_dtype)
+        self._head_weight = model.lm_head.weight
         rotary = model.model.rotary_emb
         self.inv_freq = rotary.inv_freq.detach().float().clone()
         self.rope_scaling = float(rotary.attention_scaling)
+
+    @cached_property
+    def lm_head(self) -> PackedLinear:
+        """Converted on first use: a feature draft runs its layers through this backend but never
+        this head (it has its own reduced one), so it should not pay for converting it."""
+        with torch.inference_mode():
+            return PackedLinear(self._head_weight, self.weight_dtype)
 
     def rope_table(self, length: int) -> torch.Tensor:
         """Complex rotations [length, head_dim/2]: cos + i sin, from transformers' float32 cos/sin."""

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaForCausalLM, PreTrainedModel
+from transformers.initialization import no_init_weights
 
 
 class FeatureDraft(nn.Module):
@@ -36,7 +37,8 @@ class FeatureDraft(nn.Module):
         cfg.num_hidden_layers = num_layers
         cfg.tie_word_embeddings = False
         hidden = cfg.hidden_size
-        self.model = LlamaForCausalLM(cfg).eval()
+        with no_init_weights():  # every weight is shared, copied or loaded below: skip random init
+            self.model = LlamaForCausalLM(cfg).eval()
         # The target's embedding and head are shared, frozen and never saved with the draft.
         self.model.model.embed_tokens.weight = target.model.embed_tokens.weight
         self.model.lm_head.weight = target.lm_head.weight
