@@ -27,9 +27,11 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     data = sub.add_parser("data", help="sample the target's answers and record features + top-k")
     data.add_argument("--shards", type=int, default=40)
-    data.add_argument("--batch-size", type=int, default=32)
-    data.add_argument("--max-new-tokens", type=int, default=128)
-    data.add_argument("--temperature", type=float, default=0.7)
+    data.add_argument("--batch-size", type=int, default=64)
+    data.add_argument("--max-new-tokens", type=int, default=192)
+    data.add_argument("--temperature", type=float, default=0.6)
+    data.add_argument("--top-p", type=float, default=0.95)
+    data.add_argument("--top-k", type=int, default=20)
     data.add_argument("--seed", type=int, default=0)
     tr = sub.add_parser("train", help="fit the feature draft on the shards (resumes from its checkpoint)")
     tr.add_argument("--tokens", type=int, default=600_000, help="training positions to see")
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
 
         build(load_default_target(), TeacherDataConfig(
             out_dir=args.work_dir / "data", shards=args.shards, batch_size=args.batch_size,
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed))
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=args.seed))
     elif args.command == "train":
         from engine.distill.train import TrainConfig, train
 
