@@ -35,6 +35,7 @@ from engine.models.registry import BACKENDS, DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS
 from engine.prompts import held_out_prompts
 
 PEER_METHODS = ("hf-ar", "hf-assisted", "llama.cpp")
+UNDRAFTED = ("ar", "hf-ar", "llama.cpp")  # rows that do not depend on K
 SSD_METHOD = "ssd"
 SUM_KEYS = ("new_tokens", "num_rounds", "target_forwards", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
             "kl_total", "elapsed_seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "overhead_seconds")
@@ -230,7 +231,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help=f"comma list of {', '.join(DECODE_METHODS + (SSD_METHOD,))}")
     ap.add_argument("--peers", default="hf-ar",
                     help="comma list of hf-ar, hf-assisted, llama.cpp (needs llama-cpp-python) ('' for none)")
-    add_spec_arguments(ap)
+    add_spec_arguments(ap, k_sweep=True)
     ssd = ap.add_argument_group("SSD (method ssd)")
     ssd.add_argument("--devices", default="", help="target=<dev>,draft=<dev> with dev cpu:N, cpu:N-M or cuda:N "
                      "(default: the draft gets the last core, the target the others)")
@@ -278,16 +279,25 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
 
-    runs: dict[str, list[dict]] = {m: [] for m in methods + peers}
+    ks = list(dict.fromkeys(args.k))
+    for k in ks:
+        try:
+            replace(cfg, num_speculative_tokens=k).validate()
+        except ValueError as err:
+            raise SystemExit(f"error: {err}") from err
+    # One row per (method, K); rows that never draft (AR and the plain peers) run once.
+    labels = {(m, k): m if len(ks) == 1 or m in UNDRAFTED else f"{m} K={k}"
+              for m in methods + peers for k in (ks[:1] if m in UNDRAFTED else ks)}
+    runs: dict[tuple[str, int], list[dict]] = {key: [] for key in labels}
     ssd_args = dict(devices=args.devices, batch_size=args.batch_size, rule=args.ssd_rule)
     try:
         for rep in range(args.repeats):
-            for m in methods + peers:
+            for (m, k), label in labels.items():
                 runner = run_ssd if m == SSD_METHOD else PEER_RUNNERS.get(m, run_engine)
                 extra = ssd_args if m == SSD_METHOD else {}
-                runs[m].append(runner(pair, m, prompts, cfg, args.drafter, args.ignore_eos, args.backend,
-                                      args.weight_dtype, **extra))
-                print(f"[bench] repeat {rep + 1}/{args.repeats} {m}: {runs[m][-1]['tokens_per_s']:.2f} tok/s",
+                runs[m, k].append(runner(pair, m, prompts, replace(cfg, num_speculative_tokens=k), args.drafter,
+                                         args.ignore_eos, args.backend, args.weight_dtype, **extra))
+                print(f"[bench] repeat {rep + 1}/{args.repeats} {label}: {runs[m, k][-1]['tokens_per_s']:.2f} tok/s",
                       file=sys.stderr, flush=True)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
@@ -295,15 +305,16 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         close_ssd_engines()
 
     rows = []
-    for m, reps in runs.items():
+    for (m, k), reps in runs.items():
         row = dict(reps[0])
         for key in TIMED_KEYS + (("cache_hit_rate", "theoretical_speedup", "measured_speedup") if m == SSD_METHOD else ()):
             values = [r[key] for r in reps if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
-        row.update(method=m, pair=pair.name, drafter="-" if m in ("ar", "hf-ar", "llama.cpp") else args.drafter, k=args.k,
-                   delta=args.delta if m == "cactus" else None, temperature=args.temperature,
-                   top_p=args.top_p, top_k=args.top_k, prompts=args.prompts, repeats=args.repeats,
-                   threads=torch.get_num_threads(), tokens_per_s_runs=[r["tokens_per_s"] for r in reps])
+        row.update(label=labels[m, k], method=m, pair=pair.name, drafter="-" if m in UNDRAFTED else args.drafter,
+                   k=None if m in UNDRAFTED else k, delta=args.delta if m == "cactus" else None,
+                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, prompts=args.prompts,
+                   repeats=args.repeats, threads=torch.get_num_threads(),
+                   tokens_per_s_runs=[r["tokens_per_s"] for r in reps])
         if m == SSD_METHOD:
             row.update(fanout=args.fanout, fanout_mode=args.fanout_mode, budget=cfg.ssd_cache_budget,
                        downweight_c=args.downweight_c, backup=args.backup)
@@ -311,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     base = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)
     for row in rows:
         row["speedup_vs_ar"] = row["tokens_per_s"] / base if base else None
-    table = pd.DataFrame(rows).set_index("method")
+    table = pd.DataFrame(rows).set_index("label")
     cols = ["tokens_per_s", "speedup_vs_ar", "new_tokens", "mean_acceptance_length", "draft_acceptance_rate",
             "target_forwards_per_token", "mean_kl_per_token", "overhead_fraction", "draft_ms_per_token",
             "verify_ms_per_round", "cache_hit_rate", "theoretical_speedup", "measured_speedup", "backend", "devices"]
