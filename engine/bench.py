@@ -31,7 +31,7 @@ from engine.decoding import describe_device, generate
 from engine.events import FinishEvent
 from engine.models.embedded import gguf_path
 from engine.models.fast_llama import WEIGHT_DTYPES
-from engine.models.registry import BACKENDS, DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS, PAIRS, ModelPair, load_pair
+from engine.models.registry import BACKENDS, DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS, GENERIC_K, PAIRS, ModelPair, load_pair
 from engine.prompts import held_out_prompts
 
 PEER_METHODS = ("hf-ar", "hf-assisted", "llama.cpp")
@@ -265,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         raise SystemExit("--prompts, --repeats and --batch-size must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = replace(spec_config_from_args(args), ssd_fanout=args.fanout, ssd_fanout_mode=args.fanout_mode,
+    cfg = replace(spec_config_from_args(args, k=(args.k or [GENERIC_K])[0]), ssd_fanout=args.fanout, ssd_fanout_mode=args.fanout_mode,
                   ssd_budget=args.budget, ssd_power_r=args.power_r, downweight_c=args.downweight_c,
                   ssd_backup=args.backup)
     try:
@@ -279,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
 
-    ks = list(dict.fromkeys(args.k))
+    ks = list(dict.fromkeys(args.k or [pair.recommended_k(args.drafter)]))
     for k in ks:
         try:
             replace(cfg, num_speculative_tokens=k).validate()

@@ -11,7 +11,8 @@ def add_spec_arguments(ap: argparse.ArgumentParser, *, temperature: float = 0.6,
                        top_k: int = 0, max_new_tokens: int = 64, k_sweep: bool = False) -> None:
     """`k_sweep` lets `--k` take a comma list (the benchmark runs every drafting method at each K)."""
     if k_sweep:
-        ap.add_argument("--k", type=_k_list, default=[4], help="K: draft tokens per round; a comma list sweeps K")
+        ap.add_argument("--k", type=_k_list, default=None,
+                        help="K: draft tokens per round; a comma list sweeps K (default: the pair's recommended K)")
     else:
         ap.add_argument("--k", type=int, default=4, help="K: draft tokens per round")
     ap.add_argument("--delta", type=float, default=1.0, help="Cactus KL budget δ (nats; 0 = SpS)")
@@ -34,9 +35,9 @@ def _k_list(text: str) -> list[int]:
     return ks
 
 
-def spec_config_from_args(args: argparse.Namespace, method: str = "sps") -> SpecConfig:
-    k = args.k[0] if isinstance(args.k, list) else args.k
-    return SpecConfig(method=method, num_speculative_tokens=k, delta=args.delta,
+def spec_config_from_args(args: argparse.Namespace, method: str = "sps", k: int | None = None) -> SpecConfig:
+    """`k` overrides `args.k` (the benchmark passes one K of its sweep)."""
+    return SpecConfig(method=method, num_speculative_tokens=args.k if k is None else k, delta=args.delta,
                       posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha,
                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                       max_new_tokens=args.max_new_tokens, seed=args.seed)

@@ -92,6 +92,7 @@ def _token_view(label: str | None = None, **kwargs) -> gr.HighlightedText:
 def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
     limits = ctx.limits
     pair = ctx.pair
+    start_k = min(pair.recommended_k(ctx.drafter_kind), limits.max_k)
 
     def session_of(request: gr.Request) -> Session:
         return ctx.sessions.get(getattr(request, "session_hash", None))
@@ -126,7 +127,7 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
                             generate_btn = gr.Button("Generate", variant="primary", elem_id="generate-btn")
                             stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn")
                         gr.Markdown("**Live** (applies at the next round while generating):")
-                        k = gr.Slider(1, limits.max_k, value=4, step=1, label="K (draft tokens per round)", elem_id="k")
+                        k = gr.Slider(1, limits.max_k, value=start_k, step=1, label="K (draft tokens per round)", elem_id="k")
                         delta = gr.Slider(0, 5, value=1.0, step=0.05, label="δ (Cactus KL budget per token, nats)",
                                           elem_id="delta")
                         temperature = gr.Slider(0, limits.max_temperature, value=0.8, step=0.05,
@@ -282,7 +283,7 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
                                                  value=["sps", "tas", "cactus"], label="Methods (2–5)", scale=2,
                                                  elem_id="c-methods")
                 with gr.Row():
-                    c_k = gr.Slider(1, limits.max_k, value=4, step=1, label="K")
+                    c_k = gr.Slider(1, limits.max_k, value=start_k, step=1, label="K")
                     c_delta = gr.Slider(0, 5, value=1.0, step=0.05, label="δ")
                     c_temp = gr.Slider(0, limits.max_temperature, value=0.8, step=0.05, label="temperature")
                     c_top_p = gr.Slider(0.05, 1, value=0.95, step=0.01, label="top-p")
@@ -367,7 +368,7 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
                     s_eps = gr.Textbox(label="ε values (TAS)", value="0.3, 0.09, 0.03")
                 with gr.Row():
                     s_temp = gr.Slider(0.05, limits.max_temperature, value=1.0, step=0.05, label="temperature")
-                    s_k = gr.Slider(1, limits.max_k, value=4, step=1, label="K")
+                    s_k = gr.Slider(1, limits.max_k, value=start_k, step=1, label="K")
                     s_max_new = gr.Slider(8, limits.max_sweep_new_tokens, value=min(48, limits.max_sweep_new_tokens),
                                           step=1, label="new tokens per point")
                     s_seed = gr.Number(value=0, precision=0, label="seed", minimum=0)

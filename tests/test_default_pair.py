@@ -12,7 +12,7 @@ from engine.models.embedded import embedded_target_dir
 
 pytestmark = pytest.mark.slow
 # SpS acceptance floor for the shipped draft at temperature 0.6 (untrained drafts measure ~1 %).
-MIN_ACCEPTANCE = 0.08  # measured 0.22 at K = 3 (assets/DEFAULT_DRAFT.md)
+MIN_ACCEPTANCE = 0.12  # measured 0.26-0.28 at K = 3 (assets/DEFAULT_DRAFT.md)
 
 
 def finish(pair, cfg, drafter="model", prompt="What is the capital of France?", backend="auto"):
@@ -74,3 +74,10 @@ def test_shipped_draft_reaches_a_minimum_acceptance_on_held_out_prompts(default_
         accepted += fin.metrics["num_accepted_tokens"]
         drafted += fin.metrics["num_draft_tokens"]
     assert accepted / drafted >= MIN_ACCEPTANCE
+
+
+def test_runs_start_from_the_shipped_drafts_measured_best_k(default_pair, tiny_pair):
+    from engine.models.registry import DEFAULT_DRAFT_K, GENERIC_K
+
+    assert default_pair.recommended_k("model") == default_pair.recommended_k("model-full-vocab") == DEFAULT_DRAFT_K
+    assert default_pair.recommended_k("ngram") == tiny_pair.recommended_k("model") == GENERIC_K

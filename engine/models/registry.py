@@ -35,6 +35,10 @@ DEFAULT_FAST_WEIGHTS = "float16"
 # The default pair's draft: a feature-level (EAGLE-style) draft distilled from the target by
 # `python -m engine.distill`; its model card is assets/DEFAULT_DRAFT.md.
 DEFAULT_DRAFT_FILE = Path(__file__).resolve().parents[2] / "assets" / "default_draft.safetensors"
+# K with the best measured SpS speed-up for that draft (the K sweep in assets/DEFAULT_DRAFT.md):
+# a cheap draft whose later tokens are accepted less often pays off at a small K.
+DEFAULT_DRAFT_K = 2
+GENERIC_K = 4
 
 hf_logging.disable_progress_bar()  # our own messages say what is loading
 
@@ -48,6 +52,11 @@ class ModelPair:
     draft_description: str
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     feature_draft: FeatureDraft | None = None  # a draft that reads the target's features
+    draft_k: int = GENERIC_K  # the K the pair's own draft ("model") works best at
+
+    def recommended_k(self, drafter_kind: str = "model") -> int:
+        """The K a new run starts from: the measured best for the pair's own draft, else a generic 4."""
+        return self.draft_k if drafter_kind in ("model", "model-full-vocab") else GENERIC_K
 
     @property
     def vocab_size(self) -> int:
@@ -155,7 +164,8 @@ def load_pair(name: str = "default", target: str | None = None, draft: str | Non
                              "python -m engine.distill export`")
         draft = load_feature_draft(DEFAULT_DRAFT_FILE, target.target_model)
         description = draft_card(DEFAULT_DRAFT_FILE).get("description", "feature draft")
-        return replace(target, name="default", draft_description=description, feature_draft=draft)
+        return replace(target, name="default", draft_description=description, feature_draft=draft,
+                       draft_k=DEFAULT_DRAFT_K)
     raise ValueError(f"unknown pair {name!r}; expected one of {', '.join(PAIRS)}, or give target= and draft=")
 
 
