@@ -265,11 +265,14 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         raise SystemExit("--prompts, --repeats and --batch-size must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = replace(spec_config_from_args(args, k=(args.k or [GENERIC_K])[0]), ssd_fanout=args.fanout, ssd_fanout_mode=args.fanout_mode,
+    # Every K of the sweep is checked before any model loads; without --k the pair's recommended K
+    # (a measured value) is used once the pair is known.
+    cfg = replace(spec_config_from_args(args, k=GENERIC_K), ssd_fanout=args.fanout, ssd_fanout_mode=args.fanout_mode,
                   ssd_budget=args.budget, ssd_power_r=args.power_r, downweight_c=args.downweight_c,
                   ssd_backup=args.backup)
     try:
-        cfg.validate()
+        for k in args.k or [GENERIC_K]:
+            replace(cfg, num_speculative_tokens=k).validate()
         if SSD_METHOD in methods and args.devices:
             from engine.ssd.devices import parse_devices
 
@@ -280,11 +283,6 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         raise SystemExit(f"error: {err}") from err
 
     ks = list(dict.fromkeys(args.k or [pair.recommended_k(args.drafter)]))
-    for k in ks:
-        try:
-            replace(cfg, num_speculative_tokens=k).validate()
-        except ValueError as err:
-            raise SystemExit(f"error: {err}") from err
     # One row per (method, K); rows that never draft (AR and the plain peers) run once.
     labels = {(m, k): m if len(ks) == 1 or m in UNDRAFTED else f"{m} K={k}"
               for m in methods + peers for k in (ks[:1] if m in UNDRAFTED else ks)}
