@@ -35,12 +35,14 @@ def test_hf_assisted_refuses_a_draft_it_cannot_run(default_pair):
 def test_bench_sweeps_k_side_by_side_running_ar_once(tmp_path, capsys):
     out = tmp_path / "rows.json"
     bench.main(["--pair", "tiny", "--methods", "ar,sps", "--peers", "", "--prompts", "1", "--repeats", "1",
-                "--max-new-tokens", "10", "--k", "1,3", "--json", str(out)])
+                "--max-new-tokens", "10", "--k", "1,3", "--drafter", "self", "--temperature", "0", "--json", str(out)])
     rows = {r["label"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"ar", "sps K=1", "sps K=3"}
     assert rows["ar"]["k"] is None and rows["sps K=1"]["k"] == 1 and rows["sps K=3"]["k"] == 3
-    # K bounds the draft tokens per round, so K = 1 drafts exactly one token per round
-    assert rows["sps K=1"]["mean_acceptance_length"] <= 2.0
+    # The target drafting for itself at T = 0 is always accepted, so each row's K shows in its
+    # acceptance length: exactly 1 + 1 at K = 1, well above that at K = 3.
+    assert rows["sps K=1"]["mean_acceptance_length"] == 2.0
+    assert rows["sps K=3"]["mean_acceptance_length"] > 3.0
     assert "sps K=3" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.main(["--pair", "tiny", "--k", "1,x"])
