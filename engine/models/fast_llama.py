@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from engine.models import cpu_kernels
 from engine.models.causal_lm import CausalLM
 
-WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8")
+WEIGHT_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq does not change with length
 
 
@@ -58,6 +59,17 @@ def fast_backend_supported(model: PreTrainedModel) -> bool:
     )
 
 
+def resolve_weight_dtype(weight_dtype: str) -> str:
+    """`auto`: int8 where the native kernels built (the fastest format on an AVX2 CPU, at a
+    measured KL of ~4e-3 nats against float32), else float16 (fp32-level fidelity). Measured in
+    assets/FAST_BACKEND.md."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"unknown weight_dtype {weight_dtype!r}; expected one of {', '.join(WEIGHT_DTYPES)}")
+    if weight_dtype == "auto":
+        return "int8" if cpu_kernels.available() else "float16"
+    return weight_dtype
+
+
 def _has_op(namespace: str, name: str) -> bool:
     try:
         getattr(getattr(torch.ops, namespace), name)
@@ -78,8 +90,9 @@ class PackedLinear:
     float32  oneDNN with a prepacked weight (falls back to F.linear).
     float16  fbgemm's fp16 weight-only GEMM: fp16 weights, fp32 activations and accumulation.
     bfloat16 F.linear on bf16 activations and weights (fast only where the CPU has bf16 units).
-    int8     weight-only per-output-channel int8, `torch._weight_int8pack_mm` (gpt-fast's kernel)
-             on bf16 activations.
+    int8     llama.cpp's Q8_0 x Q8_0: int8 weights and int8 activations (per row, per group of 32,
+             so a row's result never depends on the other rows), integer dot products on our
+             AVX2 kernel (cpu_kernels.c), float32 accumulation across groups.
     """
 
     def __init__(self, weight: torch.Tensor, dtype: str) -> None:
@@ -93,14 +106,7 @@ class PackedLinear:
         elif dtype == "bfloat16":
             self.weight = weight.to(torch.bfloat16)
         elif dtype == "int8":
-            # Round the scale to bf16 first so the weights are quantized against the scale the
-            # kernel will actually multiply by.
-            scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(torch.bfloat16)
-            q = (weight / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
-            # The kernel silently computes garbage unless in_features is a multiple of 8.
-            self.pad = -weight.shape[1] % 8
-            self.weight = F.pad(q, (0, self.pad)).contiguous()
-            self.scale = scale
+            self.weight, self.scales = cpu_kernels.quantize_q8(weight)
         else:
             raise ValueError(f"unknown weight_dtype {dtype!r}; expected one of {', '.join(WEIGHT_DTYPES)}")
 
@@ -115,10 +121,7 @@ class PackedLinear:
             return F.linear(x.half(), self.weight).float()
         if self.dtype == "bfloat16":
             return F.linear(x.to(torch.bfloat16), self.weight).float()
-        x = x.to(torch.bfloat16)
-        if self.pad:
-            x = F.pad(x, (0, self.pad))
-        return torch._weight_int8pack_mm(x, self.weight, self.scale).float()
+        return cpu_kernels.q8_linear(x, self.weight, self.scales)
 
 
 def _interleave_heads(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -152,10 +155,8 @@ class FastLlamaWeights:
         if not fast_backend_supported(model):
             raise ValueError(f"the fast backend does not support this model ({type(model).__name__}, "
                              f"model_type={getattr(model.config, 'model_type', None)!r}); use the transformers backend")
-        if weight_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"unknown weight_dtype {weight_dtype!r}; expected one of {', '.join(WEIGHT_DTYPES)}")
         cfg = model.config
-        self.weight_dtype = weight_dtype
+        self.weight_dtype = weight_dtype = resolve_weight_dtype(weight_dtype)
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -190,19 +191,17 @@ _WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def fast_weights(model: PreTrainedModel, weight_dtype: str = "float32") -> FastLlamaWeights:
     """Converted weights for `model`, built on first use and cached for the model's lifetime."""
     per_model = _WEIGHTS.setdefault(model, {})
+    weight_dtype = resolve_weight_dtype(weight_dtype)
     if weight_dtype not in per_model:
         per_model[weight_dtype] = FastLlamaWeights(model, weight_dtype)
     return per_model[weight_dtype]
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def _add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Residual add (in place: x is ours), then the next RMSNorm."""
-    x += y
-    return x, _rms_norm(x, weight, eps)
+    if y is not None:
+        x += y
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -214,12 +213,16 @@ def _attention(qkv: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_c
                pos: int, mask: torch.Tensor | None, n_heads: int, n_kv_heads: int) -> torch.Tensor:
     """RoPE, write K/V into the cache at [pos, pos+n), attend over [0, pos+n). Returns [n, heads*head_dim].
 
+    mask: additive [n, pos+n], or None for causal (query i sees keys 0..pos+i).
+
     q/k rows come interleaved and q pre-scaled (see `_Layer`). Grouped-query attention runs as
     two bmm's over [kv_heads, group*n, head_dim] queries: no K/V repeat, and at a handful of
     queries this is ~2x faster than F.scaled_dot_product_attention on this CPU.
     """
     n, hd = qkv.shape[0], k_cache.shape[-1]
     end, group, n_qk = pos + n, n_heads // n_kv_heads, n_heads + n_kv_heads
+    if mask is None and n > 1:
+        mask = torch.full((n, end), float("-inf")).triu_(diagonal=pos + 1)
     qk = torch.view_as_complex(qkv[:, : n_qk * hd].view(n, n_qk, hd // 2, 2)) * rope
     qk = torch.view_as_real(qk).view(n, n_qk, hd)
     k_cache[:, pos:end] = qk[:, n_heads:].transpose(0, 1)
@@ -230,6 +233,20 @@ def _attention(qkv: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_c
         scores = (scores.view(n_kv_heads, group, n, end) + mask).view(n_kv_heads, group * n, end)
     out = torch.bmm(scores.softmax(dim=-1), v_cache[:, :end])
     return out.view(n_kv_heads, group, n, hd).permute(2, 0, 1, 3).reshape(n, n_heads * hd)
+
+
+class _TorchGlue:
+    """The decoder's glue in plain torch ops: the reference, and the fallback without a C compiler."""
+
+    add_rms_norm = staticmethod(_add_rms_norm)
+    silu_mul = staticmethod(_silu_mul)
+    attention = staticmethod(_attention)
+
+
+def _glue():
+    """The native kernels (cpu_kernels.c: one call per norm / MLP activation / attention instead of
+    ~25 small torch ops per layer) where they built, else the torch versions."""
+    return cpu_kernels if cpu_kernels.available() else _TorchGlue
 
 
 class FastLlamaCausalLM(CausalLM):
@@ -247,7 +264,7 @@ class FastLlamaCausalLM(CausalLM):
         super().__init__()
         self.w = fast_weights(model, weight_dtype)
         self.name = name
-        self.weight_dtype = weight_dtype
+        self.weight_dtype = self.w.weight_dtype
         self.vocab_size = vocab_size or model.config.vocab_size
         self.max_length = 0
         self._allocate(min(max_length, self.w.max_position_embeddings))
@@ -298,18 +315,16 @@ class FastLlamaCausalLM(CausalLM):
             end = pos + n
             self._ensure_capacity(end)
             rope = self.rope[pos:end, None, :]
-            # Queries sit at the end of the key range: position pos+i sees keys 0..pos+i.
-            mask = None
-            if n > 1:
-                mask = torch.full((n, end), float("-inf")).triu_(diagonal=pos + 1)
+            mask = None  # causal: queries sit at the end of the key range
         else:
             rope, pos, mask = tree
-        h = _rms_norm(x, w.layers[0].input_norm, w.eps)
+        glue = _glue()
+        h = glue.add_rms_norm(x, None, w.layers[0].input_norm, w.eps)
         for i, layer in enumerate(w.layers):
-            attn = _attention(layer.qkv(h), rope, self.k[i], self.v[i], pos, mask, w.n_heads, w.n_kv_heads)
-            x, h = _add_norm(x, layer.o(attn), layer.post_norm, w.eps)
-            out = layer.down(_silu_mul(layer.gate_up(h)))
-            x, h = _add_norm(x, out, w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.norm, w.eps)
+            attn = glue.attention(layer.qkv(h), rope, self.k[i], self.v[i], pos, mask, w.n_heads, w.n_kv_heads)
+            h = glue.add_rms_norm(x, layer.o(attn), layer.post_norm, w.eps)
+            out = layer.down(glue.silu_mul(layer.gate_up(h)))
+            h = glue.add_rms_norm(x, out, w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.norm, w.eps)
         return h
 
     @torch.inference_mode()

@@ -1,0 +1,174 @@
+// Native CPU kernels for the fast Llama backend (AVX2 + FMA), loaded by cpu_kernels.py.
+//
+// q8_linear: an int8-weight GEMM for small batches, y[M, N] = x[M, K] @ dequant(W)[N, K]^T.
+// W is quantized in groups of 32 along K, as llama.cpp's Q8_0: w = q * scale, q in [-127, 127],
+// one float scale per group. Each activation row is quantized to int16 per group of 32, so a
+// row's output does not depend on which other rows share the call (verification stays
+// batch-invariant, bit for bit), and the group dot products are exact integer sums.
+//
+// Each output channel's int8 row is read from memory once and applied to all M input rows while
+// it sits in L1, so verifying K+1 tokens reads the same bytes as decoding one.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define GROUP 32
+#define MAX_TILE 8
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// Symmetric int16 per group of 32, scale = max|v| / 32767, for one activation row: 16-bit
+// activations keep the activation rounding error ~250x below the int8 weights' own.
+static void quantize_row(const float *v, int64_t K, int16_t *q, float *scales) {
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        float amax = 0.0f;
+        for (int i = 0; i < GROUP; i++) {
+            const float a = fabsf(v[g * GROUP + i]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax > 0.0f ? amax / 32767.0f : 1e-12f;  // as quantize_activations in cpu_kernels.py
+        scales[g] = d;
+        for (int i = 0; i < GROUP; i++) q[g * GROUP + i] = (int16_t)lroundf(v[g * GROUP + i] / d);
+    }
+}
+
+// One output channel against `rows` (1..MAX_TILE) quantized input rows; `rows` is a compile-time
+// constant at every call site below, so the row loops unroll and the accumulators stay in registers.
+// Per group: the 32 weights are widened to int16 once and shared by all rows; each row's 32
+// products are summed exactly in int32 lanes (|sum| <= 4 * 127 * 32767 < 2^24, so the float
+// conversion is exact too), then scaled by weight scale x activation scale.
+static inline __attribute__((always_inline)) void channel_tile(
+    const int16_t *xq, const float *xs, int64_t K, const int8_t *q, const float *scale, int64_t groups,
+    float *y, int64_t N, const int rows) {
+    __m256 acc[MAX_TILE];
+    for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + g * GROUP)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + g * GROUP + 16)));
+        for (int m = 0; m < rows; m++) {
+            const int16_t *xg = xq + m * K + g * GROUP;
+            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xg)),
+                                                 _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xg + 16))));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale[g] * xs[m * groups + g]), acc[m]);
+        }
+    }
+    for (int m = 0; m < rows; m++) y[m * N] = hsum(acc[m]);
+}
+
+// x [M, K] float32, q [N, K] int8, scales [N, K/32] float32, y [M, N] float32; K % 32 == 0.
+// x is quantized per row and group first (xq, xs: caller-provided scratch of M*K and M*K/32).
+void q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scales,
+               int64_t N, float *y, int16_t *xq, float *xs) {
+    const int64_t groups = K / GROUP;
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * K, xs + m * groups);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *qn = q + n * K;
+        const float *sn = scales + n * groups;
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_TILE) {
+            const int16_t *xm = xq + m0 * K;
+            const float *sm = xs + m0 * groups;
+            float *ym = y + m0 * N + n;
+            switch (M - m0 < MAX_TILE ? M - m0 : MAX_TILE) {
+                case 1: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 1); break;
+                case 2: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 2); break;
+                case 3: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 3); break;
+                case 4: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 4); break;
+                case 5: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 5); break;
+                case 6: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 6); break;
+                case 7: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 7); break;
+                default: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 8); break;
+            }
+        }
+    }
+}
+
+// ---- The glue between the GEMMs: each replaces several small torch ops (and their per-op cost). ----
+
+// x += y (y may be NULL), then out = x / rms(x) * w, for M rows of H (RMSNorm, Zhang & Sennrich 2019).
+void add_rms_norm(float *x, const float *y, const float *w, float eps, float *out, int64_t M, int64_t H) {
+    for (int64_t m = 0; m < M; m++) {
+        float *xm = x + m * H, *om = out + m * H;
+        float ss = 0.0f;
+        if (y) {
+            const float *ym = y + m * H;
+            for (int64_t i = 0; i < H; i++) xm[i] += ym[i];
+        }
+        #pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < H; i++) ss += xm[i] * xm[i];
+        const float r = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) om[i] = xm[i] * r * w[i];
+    }
+}
+
+// out[m, i] = silu(gate[m, i]) * up[m, i], with gate_up[m] = [gate | up] (the SwiGLU MLP's glue).
+void silu_mul(const float *gate_up, float *out, int64_t M, int64_t F) {
+    #pragma omp parallel for schedule(static) if (M * F >= 16384)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gate_up + m * 2 * F, *u = g + F;
+        for (int64_t i = 0; i < F; i++) out[m * F + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+// Rotate interleaved (re, im) pairs by rope = [hd/2] (cos, sin) pairs: one complex multiply each.
+static inline void rotate(const float *src, const float *rope, float *dst, int64_t hd) {
+    for (int64_t p = 0; p < hd / 2; p++) {
+        const float a = src[2 * p], b = src[2 * p + 1], c = rope[2 * p], s = rope[2 * p + 1];
+        dst[2 * p] = a * c - b * s;
+        dst[2 * p + 1] = a * s + b * c;
+    }
+}
+
+// Grouped-query attention for n new tokens whose K/V go to cache slots [slot, slot + n).
+// qkv [n, (heads + 2 kv_heads) * hd], q/k pairs interleaved and q pre-scaled (fast_llama._Layer);
+// rope [n, hd/2, 2]; caches [kv_heads, cap, hd]; mask [n, slot + n] additive, or NULL for causal
+// (query i sees keys 0..slot+i); scores: scratch [heads * n, slot + n]; out [n, heads * hd].
+void attention(const float *qkv, int64_t n, const float *rope, float *kc, float *vc, int64_t cap,
+               int64_t slot, const float *mask, int64_t heads, int64_t kv_heads, int64_t hd,
+               float *scores, float *out) {
+    const int64_t row = (heads + 2 * kv_heads) * hd, keys = slot + n, group = heads / kv_heads;
+    for (int64_t i = 0; i < n; i++) {
+        const float *qi = qkv + i * row, *ri = rope + i * hd;
+        for (int64_t h = 0; h < heads; h++) rotate(qi + h * hd, ri, out + i * heads * hd + h * hd, hd);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            rotate(qi + (heads + h) * hd, ri, kc + (h * cap + slot + i) * hd, hd);
+            memcpy(vc + (h * cap + slot + i) * hd, qi + (heads + kv_heads + h) * hd, hd * sizeof(float));
+        }
+    }
+    #pragma omp parallel for collapse(2) schedule(static) if (heads * n * keys >= 4096)
+    for (int64_t h = 0; h < heads; h++) {
+        for (int64_t i = 0; i < n; i++) {
+            float q[hd];
+            float *o = out + i * heads * hd + h * hd, *s = scores + (h * n + i) * keys;
+            const float *k = kc + (h / group) * cap * hd, *v = vc + (h / group) * cap * hd;
+            const float *mi = mask ? mask + i * keys : NULL;
+            const int64_t limit = mask ? keys : slot + i + 1;
+            memcpy(q, o, hd * sizeof(float));
+            float best = -INFINITY;
+            for (int64_t j = 0; j < limit; j++) {
+                float dot = 0.0f;
+                #pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < hd; d++) dot += q[d] * k[j * hd + d];
+                s[j] = mi ? dot + mi[j] : dot;
+                best = s[j] > best ? s[j] : best;
+            }
+            float total = 0.0f;
+            for (int64_t j = 0; j < limit; j++) {
+                s[j] = s[j] == -INFINITY ? 0.0f : expf(s[j] - best);
+                total += s[j];
+            }
+            for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
+            for (int64_t j = 0; j < limit; j++) {
+                const float p = s[j] / total;
+                if (p != 0.0f)
+                    for (int64_t d = 0; d < hd; d++) o[d] += p * v[j * hd + d];
+            }
+        }
+    }
+}

@@ -1,0 +1,168 @@
+"""Native CPU kernels (cpu_kernels.c), compiled on first use and loaded with ctypes.
+
+Why C and not a torch extension: the kernel needs no ATen, so a plain `cc -O3 -mavx2` build takes
+about a second (a torch C++ extension takes a minute of header parsing), and a ctypes call costs a
+few microseconds. The library links `libgomp.so.1`, the OpenMP runtime torch itself loads, so it
+shares torch's thread pool and follows `torch.set_num_threads`.
+
+Everything here is optional: `available()` is False without a C compiler or without AVX2/FMA, and
+callers then fall back to plain torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.cache_dir import cache_root
+
+GROUP = 32  # int8 quantization group along the input dimension, as in cpu_kernels.c
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return {"avx2", "fma"} <= set(flags.split())
+
+
+def _build() -> Path:
+    """Compile cpu_kernels.c into the cache, keyed by the source and flags (a no-op once built)."""
+    source = _SOURCE.read_bytes()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # atomic: concurrent builders race safely
+            out = Path(tmp) / target.name
+            subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(out)], check=True, capture_output=True)
+            os.replace(out, target)
+    return target
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("SPECPLAY_NO_NATIVE") or not _cpu_has_avx2_fma():
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, RuntimeError, subprocess.CalledProcessError):
+        return None
+    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    signatures = {
+        "q8_linear": [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr],
+        "add_rms_norm": [ptr, ptr, ptr, f32, ptr, i64, i64],
+        "silu_mul": [ptr, ptr, i64, i64],
+        "attention": [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, argtypes
+    return lib
+
+
+def available() -> bool:
+    """True when the native kernels compiled and loaded on this machine."""
+    return _library() is not None
+
+
+def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 in groups of GROUP input columns: weight [N, K] -> (q [N, K'], scales [N, K'/GROUP]).
+
+    K is zero-padded to K' (a multiple of GROUP); callers pad x to match. The scale is max|w|/127
+    per group, as llama.cpp's Q8_0.
+    """
+    weight = pad_to_group(weight.detach().float())
+    groups = weight.view(weight.shape[0], -1, GROUP)
+    scales = (groups.abs().amax(dim=-1) / 127.0).clamp_min(1e-12)
+    q = (groups / scales[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q.view(weight.shape).contiguous(), scales.contiguous()
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of GROUP) -> int16 per group of GROUP, scale max|x|/32767, as the kernel does."""
+    groups = x.view(x.shape[0], -1, GROUP)
+    scales = (groups.abs().amax(dim=-1) / 32767.0).clamp_min(1e-12)
+    q = (groups / scales[..., None]).round().clamp(-32767, 32767).to(torch.int16)
+    return q.view(x.shape), scales
+
+
+def dequantize_q8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return (q.view(q.shape[0], -1, GROUP).float() * scales[..., None]).view(q.shape)
+
+
+def pad_to_group(t: torch.Tensor) -> torch.Tensor:
+    pad = -t.shape[-1] % GROUP
+    return F.pad(t, (0, pad)) if pad else t
+
+
+def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 x [M, K] @ Q8_0 weights (q [N, K'], scales from `quantize_q8`)^T -> float32 [M, N].
+
+    x is quantized to int16 per row and group of GROUP (so each row's result depends on that row
+    alone, and the activations add ~250x less rounding error than the int8 weights), the group
+    dot products are exact in int32, and groups are summed in float32. Without the native kernel the same math runs in torch (slower; results agree up to
+    float summation order, but activation rounding can flip on such tiny differences, so the two
+    paths drift apart by quantization noise over many layers).
+    """
+    x = pad_to_group(x.float()).contiguous()
+    m, k = x.shape
+    if k != q.shape[1]:
+        raise ValueError(f"x has {k} columns (after padding to {GROUP}), the weights {q.shape[1]}")
+    lib = _library()
+    if lib is None:  # the same product: the scales factor out of each group's dot product
+        return F.linear(dequantize_q8(*quantize_activations(x)), dequantize_q8(q, scales))
+    y = torch.empty(m, q.shape[0])
+    xq, xs = torch.empty(m, k, dtype=torch.int16), torch.empty(m, k // GROUP)
+    lib.q8_linear(x.data_ptr(), m, k, q.data_ptr(), scales.data_ptr(), q.shape[0], y.data_ptr(),
+                  xq.data_ptr(), xs.data_ptr())
+    return y
+
+
+# The decoder's glue ops, for fast_llama's native path. Inputs are float32 and contiguous where it
+# matters (the caller's own buffers); each call replaces several small torch ops.
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += y in place (the residual stream), then return RMSNorm(x) * weight."""
+    out = torch.empty_like(x)
+    _library().add_rms_norm(x.data_ptr(), None if y is None else y.data_ptr(), weight.data_ptr(), eps,
+                            out.data_ptr(), x.shape[0], x.shape[1])
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for gate_up = [gate | up] along the last dimension."""
+    m, f = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(m, f)
+    _library().silu_mul(gate_up.data_ptr(), out.data_ptr(), m, f)
+    return out
+
+
+def attention(qkv: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int,
+              mask: torch.Tensor | None, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """RoPE, K/V cache write at [slot, slot+n) and grouped-query attention in one call; see
+    fast_llama._attention (the torch version) for the layout. rope: complex [n, 1, head_dim/2]."""
+    n, hd = qkv.shape[0], k_cache.shape[-1]
+    keys = slot + n
+    rope = torch.view_as_real(rope.reshape(n, hd // 2)).contiguous()
+    out, scores = torch.empty(n, n_heads * hd), torch.empty(n_heads * n, keys)
+    mask = None if mask is None else mask.contiguous()  # kept alive across the call
+    mask_ptr = None if mask is None else mask.data_ptr()
+    _library().attention(qkv.data_ptr(), n, rope.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                         k_cache.shape[1], slot, mask_ptr, n_heads, n_kv_heads, hd, scores.data_ptr(), out.data_ptr())
+    return out

@@ -1,0 +1,112 @@
+"""The native CPU kernels (engine/models/cpu_kernels.c) against their torch definitions."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from engine.models import cpu_kernels, fast_llama
+from engine.models.fast_llama import FastLlamaCausalLM, _TorchGlue
+
+native = pytest.mark.skipif(not cpu_kernels.available(), reason="native kernels need cc and an AVX2/FMA CPU")
+
+
+def test_kernels_build_where_they_can():
+    """CI installs a compiler on an AVX2 machine: a broken build must fail here, not fall back silently."""
+    if shutil.which("cc") and cpu_kernels._cpu_has_avx2_fma():
+        assert cpu_kernels.available()
+
+
+@pytest.fixture
+def torch_only(monkeypatch):
+    """Run without the native library: every op takes its torch path."""
+    monkeypatch.setattr(cpu_kernels, "_library", lambda: None)
+
+
+@native
+@pytest.mark.parametrize("n, k", [(300, 576), (70, 40)])  # 40 is not a multiple of the group: padded
+def test_q8_linear_matches_dequantized_weights_and_rows_are_independent(n, k):
+    weight = torch.randn(n, k) * 0.05
+    q, scales = cpu_kernels.quantize_q8(weight)
+    x = torch.randn(11, k)  # more rows than one tile of 8
+    y = cpu_kernels.q8_linear(x, q, scales)
+    reference = x @ cpu_kernels.dequantize_q8(q, scales)[:, :k].T
+    torch.testing.assert_close(y, reference, atol=2e-4, rtol=0)  # int16 activation rounding only
+    assert (y - x @ weight.T).abs().max() < 0.05  # the int8 weights' own error
+    # A row's result never depends on the rows it shares a call with (verification == decoding).
+    for i in (0, 5, 10):
+        assert torch.equal(cpu_kernels.q8_linear(x[i:i + 1], q, scales)[0], y[i])
+
+
+@native
+def test_q8_linear_torch_fallback_computes_the_same_product(monkeypatch):
+    q, scales = cpu_kernels.quantize_q8(torch.randn(64, 96))
+    x = torch.randn(3, 96)
+    y = cpu_kernels.q8_linear(x, q, scales)
+    monkeypatch.setattr(cpu_kernels, "_library", lambda: None)
+    torch.testing.assert_close(cpu_kernels.q8_linear(x, q, scales), y, atol=1e-5, rtol=0)
+
+
+@native
+def test_glue_ops_match_torch():
+    x, y, w = torch.randn(3, 64), torch.randn(3, 64), torch.rand(64) + 0.5
+    x1, x2 = x.clone(), x.clone()
+    torch.testing.assert_close(cpu_kernels.add_rms_norm(x1, y, w, 1e-5), _TorchGlue.add_rms_norm(x2, y, w, 1e-5))
+    torch.testing.assert_close(x1, x2)  # the residual stream is updated in place by both
+    torch.testing.assert_close(cpu_kernels.add_rms_norm(x1, None, w, 1e-5), _TorchGlue.add_rms_norm(x2, None, w, 1e-5))
+    gate_up = torch.randn(4, 2 * 172)
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), _TorchGlue.silu_mul(gate_up))
+
+
+@native
+@pytest.mark.parametrize("n, masked", [(1, False), (4, False), (5, True)])
+def test_attention_matches_torch(n, masked):
+    heads, kv_heads, hd, cap, pos = 4, 2, 16, 32, 9
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * hd)
+    angles = torch.rand(n, 1, hd // 2) * 6
+    rope = torch.complex(angles.cos(), angles.sin())
+    caches = [torch.randn(kv_heads, cap, hd) for _ in range(2)]
+    mask = None
+    if masked:  # a tree: each new token sees the prefix and a random subset of the new ones
+        visible = torch.cat([torch.ones(n, pos, dtype=torch.bool), torch.rand(n, n) < 0.5], dim=1)
+        visible[:, pos:] |= torch.eye(n, dtype=torch.bool)
+        mask = torch.zeros(n, pos + n).masked_fill_(~visible, float("-inf"))
+    theirs = [c.clone() for c in caches]
+    got = cpu_kernels.attention(qkv, rope, caches[0], caches[1], pos, mask, heads, kv_heads)
+    want = _TorchGlue.attention(qkv, rope, theirs[0], theirs[1], pos, mask, heads, kv_heads)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for mine, ref in zip(caches, theirs):
+        torch.testing.assert_close(mine[:, : pos + n], ref[:, : pos + n], atol=1e-6, rtol=0)
+
+
+@native
+def test_native_and_torch_glue_give_the_same_float32_model(tiny_pair, monkeypatch):
+    prompt = tiny_pair.encode_prompt("Once upon a time")
+    lm = FastLlamaCausalLM(tiny_pair.target_model, "native", tiny_pair.vocab_size)
+    got = torch.cat([lm.forward(prompt, last_n=len(prompt)), lm.forward([5, 6, 7], last_n=3)])
+    monkeypatch.setattr(fast_llama, "_glue", lambda: _TorchGlue)
+    ref_lm = FastLlamaCausalLM(tiny_pair.target_model, "torch", tiny_pair.vocab_size)
+    want = torch.cat([ref_lm.forward(prompt, last_n=len(prompt)), ref_lm.forward([5, 6, 7], last_n=3)])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@native
+def test_int8_verification_is_bit_identical_to_decoding(tiny_pair):
+    """Why greedy SpS equals AR exactly in int8: the logits of a token do not depend on how many
+    tokens share its forward (no batch-dependent activation scales, no batch-dependent kernels)."""
+    prompt = tiny_pair.encode_prompt("Bit for bit")
+    lm = FastLlamaCausalLM(tiny_pair.target_model, "int8", tiny_pair.vocab_size, weight_dtype="int8")
+    lm.forward(prompt)
+    together = lm.forward([11, 12, 13, 14, 15], last_n=5)
+    lm.rollback(len(prompt))
+    one_by_one = torch.cat([lm.forward([t]) for t in (11, 12, 13, 14, 15)])
+    assert torch.equal(together, one_by_one)
+
+
+def test_auto_weights_pick_int8_only_with_the_native_kernels(torch_only):
+    assert fast_llama.resolve_weight_dtype("auto") == "float16"
+    assert fast_llama.resolve_weight_dtype("float32") == "float32"
+    with pytest.raises(ValueError, match="weight_dtype"):
+        fast_llama.resolve_weight_dtype("float8")
