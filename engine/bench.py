@@ -7,7 +7,9 @@ and `hf-assisted` (`assistant_model=` with the same draft and K, or `prompt_look
 for the n-gram drafter), so we know where we stand against what users already have; `llama.cpp`
 (optional, needs llama-cpp-python) runs the default target's own GGUF. `ssd` runs Saguaro SSD
 (engine.ssd) with the draft in a worker pinned to its own device (`--devices`) and the acceptance
-rule `--ssd-rule`; its rows add the cache hit rate and the Theorem-7 speedups.
+rule `--ssd-rule`; its rows add the cache hit rate and the Theorem-7 speedups. `--k` and
+`--weight-dtype` take comma lists: every engine row then runs at each K / weight format, side by
+side in the same repeats, and each row's `speedup_vs_ar` is against AR in its own format.
 """
 
 from __future__ import annotations
@@ -217,6 +219,14 @@ def run_llama_cpp(pair: ModelPair, method: str, prompts: Sequence[list[int]], cf
 PEER_RUNNERS = {"hf-ar": run_peer, "hf-assisted": run_peer, "llama.cpp": run_llama_cpp}
 
 
+def _weight_dtypes(text: str) -> list[str]:
+    formats = list(dict.fromkeys(f for f in text.split(",") if f))
+    bad = [f for f in formats if f not in WEIGHT_DTYPES]
+    if bad or not formats:
+        raise argparse.ArgumentTypeError(f"--weight-dtype wants a comma list of {', '.join(WEIGHT_DTYPES)}; got {text!r}")
+    return formats
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default="default", choices=PAIRS)
@@ -225,8 +235,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--drafter", default="model", choices=DRAFTER_KINDS)
     ap.add_argument("--backend", default="auto", choices=BACKENDS,
                     help="our engine's model backend (auto = fast where supported); peers always use transformers")
-    ap.add_argument("--weight-dtype", default=DEFAULT_FAST_WEIGHTS, choices=WEIGHT_DTYPES,
-                    help="weight format of the fast backend (float32 is the reference)")
+    ap.add_argument("--weight-dtype", default=[DEFAULT_FAST_WEIGHTS], type=_weight_dtypes,
+                    help=f"weight format(s) of the fast backend, a comma list of {', '.join(WEIGHT_DTYPES)} "
+                    "(float32 is the reference); with several, every engine row runs in each, side by side")
     ap.add_argument("--methods", default="ar,sps,tas,cactus",
                     help=f"comma list of {', '.join(DECODE_METHODS + (SSD_METHOD,))}")
     ap.add_argument("--peers", default="hf-ar",
@@ -283,19 +294,23 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         raise SystemExit(f"error: {err}") from err
 
     ks = list(dict.fromkeys(args.k or [pair.recommended_k(args.drafter)]))
-    # One row per (method, K); rows that never draft (AR and the plain peers) run once.
-    labels = {(m, k): m if len(ks) == 1 or m in UNDRAFTED else f"{m} K={k}"
-              for m in methods + peers for k in (ks[:1] if m in UNDRAFTED else ks)}
-    runs: dict[tuple[str, int], list[dict]] = {key: [] for key in labels}
+    formats = args.weight_dtype
+    # One row per (method, K, weight format); rows that never draft run at the first K only, and
+    # the peers (which do not use our backend) in the first format only.
+    keys = [(m, k, wd) for m in methods + peers for k in (ks[:1] if m in UNDRAFTED else ks)
+            for wd in (formats[:1] if m in PEER_METHODS else formats)]
+    labels = {(m, k, wd): m + (f" K={k}" if len(ks) > 1 and m not in UNDRAFTED else "")
+              + (f" [{wd}]" if len(formats) > 1 and m not in PEER_METHODS else "") for m, k, wd in keys}
+    runs: dict[tuple[str, int, str], list[dict]] = {key: [] for key in labels}
     ssd_args = dict(devices=args.devices, batch_size=args.batch_size, rule=args.ssd_rule)
     try:
         for rep in range(args.repeats):
-            for (m, k), label in labels.items():
+            for (m, k, wd), label in labels.items():
                 runner = run_ssd if m == SSD_METHOD else PEER_RUNNERS.get(m, run_engine)
                 extra = ssd_args if m == SSD_METHOD else {}
-                runs[m, k].append(runner(pair, m, prompts, replace(cfg, num_speculative_tokens=k), args.drafter,
-                                         args.ignore_eos, args.backend, args.weight_dtype, **extra))
-                print(f"[bench] repeat {rep + 1}/{args.repeats} {label}: {runs[m, k][-1]['tokens_per_s']:.2f} tok/s",
+                runs[m, k, wd].append(runner(pair, m, prompts, replace(cfg, num_speculative_tokens=k), args.drafter,
+                                             args.ignore_eos, args.backend, wd, **extra))
+                print(f"[bench] repeat {rep + 1}/{args.repeats} {label}: {runs[m, k, wd][-1]['tokens_per_s']:.2f} tok/s",
                       file=sys.stderr, flush=True)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
@@ -303,12 +318,12 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         close_ssd_engines()
 
     rows = []
-    for (m, k), reps in runs.items():
+    for (m, k, wd), reps in runs.items():
         row = dict(reps[0])
         for key in TIMED_KEYS + (("cache_hit_rate", "theoretical_speedup", "measured_speedup") if m == SSD_METHOD else ()):
             values = [r[key] for r in reps if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
-        row.update(label=labels[m, k], method=m, pair=pair.name, drafter="-" if m in UNDRAFTED else args.drafter,
+        row.update(label=labels[m, k, wd], method=m, weight_dtype=None if m in PEER_METHODS else wd, pair=pair.name, drafter="-" if m in UNDRAFTED else args.drafter,
                    k=None if m in UNDRAFTED else k, delta=args.delta if m == "cactus" else None,
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, prompts=args.prompts,
                    repeats=args.repeats, threads=torch.get_num_threads(),
@@ -317,8 +332,10 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
             row.update(fanout=args.fanout, fanout_mode=args.fanout_mode, budget=cfg.ssd_cache_budget,
                        downweight_c=args.downweight_c, backup=args.backup)
         rows.append(row)
-    base = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)
+    # Each engine row against AR in the same weight format; peers against the first format's AR.
+    ar = {r["weight_dtype"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
     for row in rows:
+        base = ar.get(row["weight_dtype"], ar.get(formats[0]))
         row["speedup_vs_ar"] = row["tokens_per_s"] / base if base else None
     table = pd.DataFrame(rows).set_index("label")
     cols = ["tokens_per_s", "speedup_vs_ar", "new_tokens", "mean_acceptance_length", "draft_acceptance_rate",

@@ -49,6 +49,24 @@ def test_bench_sweeps_k_side_by_side_running_ar_once(tmp_path, capsys):
     assert "--k wants integers" in capsys.readouterr().err
 
 
+def test_bench_compares_weight_formats_side_by_side(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    bench.main(["--pair", "tiny", "--methods", "ar,sps", "--peers", "hf-ar", "--prompts", "1", "--repeats", "1",
+                "--max-new-tokens", "8", "--k", "2", "--temperature", "0", "--weight-dtype", "float32,int8",
+                "--json", str(out)])
+    rows = {r["label"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"ar [float32]", "ar [int8]", "sps [float32]", "sps [int8]", "hf-ar"}
+    for fmt in ("float32", "int8"):
+        assert rows[f"ar [{fmt}]"]["weight_dtype"] == fmt
+        assert rows[f"ar [{fmt}]"]["speedup_vs_ar"] == 1.0  # each format against its own AR
+        assert rows[f"sps [{fmt}]"]["backend"] == f"fast/{fmt}"
+    assert rows["hf-ar"]["weight_dtype"] is None and rows["hf-ar"]["backend"] == "transformers generate()"
+    assert "ar [int8]" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--pair", "tiny", "--weight-dtype", "float16,fp8"])
+    assert "--weight-dtype wants" in capsys.readouterr().err
+
+
 def test_bench_rejects_unknown_methods():
     with pytest.raises(SystemExit, match="unknown method"):
         bench.main(["--pair", "tiny", "--methods", "ar,medusa"])
