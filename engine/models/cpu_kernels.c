@@ -11,6 +11,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define GROUP 32
@@ -62,10 +63,11 @@ static inline __attribute__((always_inline)) void channel_tile(
 }
 
 // x [M, K] float32, q [N, K] int8, scales [N, K/32] float32, y [M, N] float32; K % 32 == 0.
-// x is quantized per row and group first (xq, xs: caller-provided scratch of M*K and M*K/32).
 void q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scales,
-               int64_t N, float *y, int16_t *xq, float *xs) {
+               int64_t N, float *y) {
     const int64_t groups = K / GROUP;
+    int16_t *xq = malloc(M * K * sizeof(int16_t));
+    float *xs = malloc(M * groups * sizeof(float));
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * K, xs + m * groups);
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
@@ -87,6 +89,8 @@ void q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const floa
             }
         }
     }
+    free(xq);
+    free(xs);
 }
 
 // ---- The glue between the GEMMs: each replaces several small torch ops (and their per-op cost). ----
@@ -107,12 +111,38 @@ void add_rms_norm(float *x, const float *y, const float *w, float eps, float *ou
     }
 }
 
+// exp(x) for 8 floats: Cephes' expf (range reduction to [-ln2/2, ln2/2] and a degree-5
+// polynomial, as in avx_mathfun), within ~2 ulp; inputs are clamped to the float range.
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
 // out[m, i] = silu(gate[m, i]) * up[m, i], with gate_up[m] = [gate | up] (the SwiGLU MLP's glue).
 void silu_mul(const float *gate_up, float *out, int64_t M, int64_t F) {
-    #pragma omp parallel for schedule(static) if (M * F >= 16384)
+    #pragma omp parallel for schedule(static) if (M * F >= 65536)
     for (int64_t m = 0; m < M; m++) {
         const float *g = gate_up + m * 2 * F, *u = g + F;
-        for (int64_t i = 0; i < F; i++) out[m * F + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        float *o = out + m * F;
+        int64_t i = 0;
+        for (; i + 8 <= F; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(sig, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < F; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 
@@ -125,13 +155,72 @@ static inline void rotate(const float *src, const float *rope, float *dst, int64
     }
 }
 
+// s[j] = exp(s[j] - best), exactly 0 for masked (-inf) scores; returns the sum.
+static inline float softmax_numerators(float *s, int64_t limit, float best) {
+    const __m256 neg_inf = _mm256_set1_ps(-INFINITY), b = _mm256_set1_ps(best);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= limit; j += 8) {
+        const __m256 x = _mm256_loadu_ps(s + j);
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, b)), _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float total = hsum(sum);
+    for (; j < limit; j++) {
+        s[j] = s[j] == -INFINITY ? 0.0f : expf(s[j] - best);
+        total += s[j];
+    }
+    return total;
+}
+
+// softmax(q . k_j + mask_j) @ v over keys j < limit for one query; q and o are [8 * D] floats with
+// D a compile-time constant at the call sites, so q and the output stay in registers.
+static inline __attribute__((always_inline)) void attend(
+    const float *q, const float *k, const float *v, const float *mask, int64_t limit, float *s, float *o, const int D) {
+    __m256 qr[16], acc[16];
+    for (int d = 0; d < D; d++) qr[d] = _mm256_loadu_ps(q + 8 * d);
+    float best = -INFINITY;
+    for (int64_t j = 0; j < limit; j++) {
+        __m256 dot = _mm256_mul_ps(qr[0], _mm256_loadu_ps(k + j * 8 * D));
+        for (int d = 1; d < D; d++) dot = _mm256_fmadd_ps(qr[d], _mm256_loadu_ps(k + j * 8 * D + 8 * d), dot);
+        s[j] = mask ? hsum(dot) + mask[j] : hsum(dot);
+        best = s[j] > best ? s[j] : best;
+    }
+    const float total = softmax_numerators(s, limit, best);
+    for (int d = 0; d < D; d++) acc[d] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < limit; j++) {
+        if (s[j] == 0.0f) continue;
+        const __m256 p = _mm256_set1_ps(s[j]);
+        for (int d = 0; d < D; d++) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + j * 8 * D + 8 * d), acc[d]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (int d = 0; d < D; d++) _mm256_storeu_ps(o + 8 * d, _mm256_mul_ps(acc[d], inv));
+}
+
+// The same for any head_dim, without registers kept across keys.
+static void attend_any(const float *q, const float *k, const float *v, const float *mask, int64_t limit,
+                       int64_t hd, float *s, float *o) {
+    float best = -INFINITY, total;
+    for (int64_t j = 0; j < limit; j++) {
+        float dot = 0.0f;
+        for (int64_t d = 0; d < hd; d++) dot += q[d] * k[j * hd + d];
+        s[j] = mask ? dot + mask[j] : dot;
+        best = s[j] > best ? s[j] : best;
+    }
+    total = softmax_numerators(s, limit, best);
+    for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
+    for (int64_t j = 0; j < limit; j++)
+        for (int64_t d = 0; d < hd; d++) o[d] += s[j] * v[j * hd + d];
+    for (int64_t d = 0; d < hd; d++) o[d] /= total;
+}
+
 // Grouped-query attention for n new tokens whose K/V go to cache slots [slot, slot + n).
 // qkv [n, (heads + 2 kv_heads) * hd], q/k pairs interleaved and q pre-scaled (fast_llama._Layer);
 // rope [n, hd/2, 2]; caches [kv_heads, cap, hd]; mask [n, slot + n] additive, or NULL for causal
-// (query i sees keys 0..slot+i); scores: scratch [heads * n, slot + n]; out [n, heads * hd].
+// (query i sees keys 0..slot+i); out [n, heads * hd].
 void attention(const float *qkv, int64_t n, const float *rope, float *kc, float *vc, int64_t cap,
-               int64_t slot, const float *mask, int64_t heads, int64_t kv_heads, int64_t hd,
-               float *scores, float *out) {
+               int64_t slot, const float *mask, int64_t heads, int64_t kv_heads, int64_t hd, float *out) {
     const int64_t row = (heads + 2 * kv_heads) * hd, keys = slot + n, group = heads / kv_heads;
     for (int64_t i = 0; i < n; i++) {
         const float *qi = qkv + i * row, *ri = rope + i * hd;
@@ -141,34 +230,23 @@ void attention(const float *qkv, int64_t n, const float *rope, float *kc, float 
             memcpy(vc + (h * cap + slot + i) * hd, qi + (heads + kv_heads + h) * hd, hd * sizeof(float));
         }
     }
-    #pragma omp parallel for collapse(2) schedule(static) if (heads * n * keys >= 4096)
-    for (int64_t h = 0; h < heads; h++) {
-        for (int64_t i = 0; i < n; i++) {
-            float q[hd];
-            float *o = out + i * heads * hd + h * hd, *s = scores + (h * n + i) * keys;
-            const float *k = kc + (h / group) * cap * hd, *v = vc + (h / group) * cap * hd;
-            const float *mi = mask ? mask + i * keys : NULL;
-            const int64_t limit = mask ? keys : slot + i + 1;
-            memcpy(q, o, hd * sizeof(float));
-            float best = -INFINITY;
-            for (int64_t j = 0; j < limit; j++) {
-                float dot = 0.0f;
-                #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < hd; d++) dot += q[d] * k[j * hd + d];
-                s[j] = mi ? dot + mi[j] : dot;
-                best = s[j] > best ? s[j] : best;
-            }
-            float total = 0.0f;
-            for (int64_t j = 0; j < limit; j++) {
-                s[j] = s[j] == -INFINITY ? 0.0f : expf(s[j] - best);
-                total += s[j];
-            }
-            for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
-            for (int64_t j = 0; j < limit; j++) {
-                const float p = s[j] / total;
-                if (p != 0.0f)
-                    for (int64_t d = 0; d < hd; d++) o[d] += p * v[j * hd + d];
+    #pragma omp parallel if (heads * n * keys >= 4096)
+    {
+        float *s = malloc(keys * sizeof(float)), *q = malloc(hd * sizeof(float));
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t h = 0; h < heads; h++) {
+            for (int64_t i = 0; i < n; i++) {
+                float *o = out + i * heads * hd + h * hd;
+                const float *k = kc + (h / group) * cap * hd, *v = vc + (h / group) * cap * hd;
+                const float *mi = mask ? mask + i * keys : NULL;
+                const int64_t limit = mask ? keys : slot + i + 1;
+                memcpy(q, o, hd * sizeof(float));  // o holds the rotated query until it is overwritten
+                if (hd == 64) attend(q, k, v, mi, limit, s, o, 8);
+                else if (hd == 128) attend(q, k, v, mi, limit, s, o, 16);
+                else attend_any(q, k, v, mi, limit, hd, s, o);
             }
         }
+        free(s);
+        free(q);
     }
 }

@@ -65,10 +65,10 @@ def _library() -> ctypes.CDLL | None:
         return None
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "q8_linear": [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr],
+        "q8_linear": [ptr, i64, i64, ptr, ptr, i64, ptr],
         "add_rms_norm": [ptr, ptr, ptr, f32, ptr, i64, i64],
         "silu_mul": [ptr, ptr, i64, i64],
-        "attention": [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr],
+        "attention": [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -128,9 +128,7 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.T
     if lib is None:  # the same product: the scales factor out of each group's dot product
         return F.linear(dequantize_q8(*quantize_activations(x)), dequantize_q8(q, scales))
     y = torch.empty(m, q.shape[0])
-    xq, xs = torch.empty(m, k, dtype=torch.int16), torch.empty(m, k // GROUP)
-    lib.q8_linear(x.data_ptr(), m, k, q.data_ptr(), scales.data_ptr(), q.shape[0], y.data_ptr(),
-                  xq.data_ptr(), xs.data_ptr())
+    lib.q8_linear(x.data_ptr(), m, k, q.data_ptr(), scales.data_ptr(), q.shape[0], y.data_ptr())
     return y
 
 
@@ -156,13 +154,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def attention(qkv: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int,
               mask: torch.Tensor | None, n_heads: int, n_kv_heads: int) -> torch.Tensor:
     """RoPE, K/V cache write at [slot, slot+n) and grouped-query attention in one call; see
-    fast_llama._attention (the torch version) for the layout. rope: complex [n, 1, head_dim/2]."""
+    fast_llama._attention (the torch version) for the layout. rope: [n, head_dim/2, 2] (cos, sin)."""
     n, hd = qkv.shape[0], k_cache.shape[-1]
-    keys = slot + n
-    rope = torch.view_as_real(rope.reshape(n, hd // 2)).contiguous()
-    out, scores = torch.empty(n, n_heads * hd), torch.empty(n_heads * n, keys)
-    mask = None if mask is None else mask.contiguous()  # kept alive across the call
-    mask_ptr = None if mask is None else mask.data_ptr()
+    out = torch.empty(n, n_heads * hd)
+    rope, mask = rope.contiguous(), None if mask is None else mask.contiguous()  # kept alive across the call
     _library().attention(qkv.data_ptr(), n, rope.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                         k_cache.shape[1], slot, mask_ptr, n_heads, n_kv_heads, hd, scores.data_ptr(), out.data_ptr())
+                         k_cache.shape[1], slot, None if mask is None else mask.data_ptr(), n_heads, n_kv_heads, hd,
+                         out.data_ptr())
     return out

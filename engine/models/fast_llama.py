@@ -180,9 +180,9 @@ class FastLlamaWeights:
             return PackedLinear(self._head_weight, self.weight_dtype)
 
     def rope_table(self, length: int) -> torch.Tensor:
-        """Complex rotations [length, head_dim/2]: cos + i sin, from transformers' float32 cos/sin."""
+        """Rotations [length, head_dim/2, 2] as (cos, sin) pairs, from transformers' float32 cos/sin."""
         freqs = torch.arange(length, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-        return torch.complex(freqs.cos() * self.rope_scaling, freqs.sin() * self.rope_scaling)
+        return torch.stack([freqs.cos() * self.rope_scaling, freqs.sin() * self.rope_scaling], dim=-1)
 
 
 _WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -213,7 +213,8 @@ def _attention(qkv: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_c
                pos: int, mask: torch.Tensor | None, n_heads: int, n_kv_heads: int) -> torch.Tensor:
     """RoPE, write K/V into the cache at [pos, pos+n), attend over [0, pos+n). Returns [n, heads*head_dim].
 
-    mask: additive [n, pos+n], or None for causal (query i sees keys 0..pos+i).
+    rope: [n, head_dim/2, 2] (cos, sin); mask: additive [n, pos+n], or None for causal (query i
+    sees keys 0..pos+i).
 
     q/k rows come interleaved and q pre-scaled (see `_Layer`). Grouped-query attention runs as
     two bmm's over [kv_heads, group*n, head_dim] queries: no K/V repeat, and at a handful of
@@ -223,7 +224,7 @@ def _attention(qkv: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_c
     end, group, n_qk = pos + n, n_heads // n_kv_heads, n_heads + n_kv_heads
     if mask is None and n > 1:
         mask = torch.full((n, end), float("-inf")).triu_(diagonal=pos + 1)
-    qk = torch.view_as_complex(qkv[:, : n_qk * hd].view(n, n_qk, hd // 2, 2)) * rope
+    qk = torch.view_as_complex(qkv[:, : n_qk * hd].view(n, n_qk, hd // 2, 2)) * torch.view_as_complex(rope)[:, None]
     qk = torch.view_as_real(qk).view(n, n_qk, hd)
     k_cache[:, pos:end] = qk[:, n_heads:].transpose(0, 1)
     v_cache[:, pos:end] = qkv[:, n_qk * hd:].view(n, n_kv_heads, hd).transpose(0, 1)
@@ -314,7 +315,7 @@ class FastLlamaCausalLM(CausalLM):
             pos = self.length
             end = pos + n
             self._ensure_capacity(end)
-            rope = self.rope[pos:end, None, :]
+            rope = self.rope[pos:end]
             mask = None  # causal: queries sit at the end of the key range
         else:
             rope, pos, mask = tree
@@ -356,7 +357,7 @@ class FastLlamaCausalLM(CausalLM):
                              f"mask {tuple(visible.shape)}")
         self._ensure_capacity(max(slot + n, max(positions) + 1))
         mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-        rope = self.rope[torch.tensor(list(positions)), None, :]
+        rope = self.rope[torch.tensor(list(positions))]
         return self._decode(x, (rope, slot, mask))
 
     def _crop(self, tokens_to_remove: int) -> None:
