@@ -105,6 +105,30 @@ def test_int8_verification_is_bit_identical_to_decoding(tiny_pair):
     assert torch.equal(together, one_by_one)
 
 
+@native
+@pytest.mark.parametrize("tree", [False, True])
+def test_native_int8_decoder_is_the_per_op_path_in_one_call(tiny_pair, monkeypatch, tree):
+    """The fused decoder_forward runs the same kernels in the same order as the Python layer loop,
+    so the logits agree bit for bit (causal prefill, a decode step, and a tree forward)."""
+    prompt = tiny_pair.encode_prompt("One call")
+    visible = torch.tensor([[True] * len(prompt) + row for row in ([True, False, False], [True, True, False],
+                                                                   [True, False, True])])
+
+    def run(lm):
+        out = [lm.forward(prompt, last_n=len(prompt)), lm.forward([9, 10], last_n=2)]
+        if tree:
+            out.append(lm.forward_tree([3, 4, 5], [len(prompt) + 2, len(prompt) + 3, len(prompt) + 3],
+                                       lm.length, torch.cat([torch.ones(3, 2, dtype=torch.bool), visible], 1)))
+        return torch.cat(out)
+
+    fused = FastLlamaCausalLM(tiny_pair.target_model, "fused", tiny_pair.vocab_size, weight_dtype="int8")
+    assert fused.w.native_decoder is not None
+    got = run(fused)
+    monkeypatch.setattr(fused.w, "native_decoder", None)
+    assert torch.equal(run(FastLlamaCausalLM(tiny_pair.target_model, "per-op", tiny_pair.vocab_size,
+                                             weight_dtype="int8")), got)
+
+
 def test_auto_weights_pick_int8_only_with_the_native_kernels(torch_only):
     assert fast_llama.resolve_weight_dtype("auto") == "float16"
     assert fast_llama.resolve_weight_dtype("float32") == "float32"

@@ -250,3 +250,42 @@ void attention(const float *qkv, int64_t n, const float *rope, float *kc, float 
         free(q);
     }
 }
+
+// ---- The whole int8 decoder in one call: no Python (or ctypes, or thread wake-up) between ops. ----
+
+// Per-layer int8 weights (Q8_0: q [N, K] and scales [N, K/32] per matrix) and norm weights, as
+// arrays indexed by layer. down's K is the MLP width padded to a multiple of 32 (zero columns).
+typedef struct {
+    const int8_t *const *qkv_q, *const *o_q, *const *gate_up_q, *const *down_q;
+    const float *const *qkv_s, *const *o_s, *const *gate_up_s, *const *down_s;
+    const float *const *input_norm, *const *post_norm;
+    const float *final_norm;
+    int64_t layers, hidden, mlp, mlp_padded, heads, kv_heads, head_dim;
+    float eps;
+} Decoder;
+
+// x [n, hidden]: input vectors, consumed as the residual stream; out [n, hidden]: final-norm
+// hidden states. Caches [layers, kv_heads, cap, head_dim]; rope, slot and mask as in attention().
+void decoder_forward(const Decoder *d, float *x, int64_t n, float *k_cache, float *v_cache, int64_t cap,
+                     const float *rope, int64_t slot, const float *mask, float *out) {
+    const int64_t H = d->hidden, A = d->heads * d->head_dim, QKV = (d->heads + 2 * d->kv_heads) * d->head_dim;
+    const int64_t layer_stride = d->kv_heads * cap * d->head_dim;
+    float *h = malloc(n * H * sizeof(float)), *tmp = malloc(n * H * sizeof(float));
+    float *qkv = malloc(n * QKV * sizeof(float)), *attn = malloc(n * A * sizeof(float));
+    float *gate_up = malloc(n * 2 * d->mlp * sizeof(float)), *act = calloc(n * d->mlp_padded, sizeof(float));
+    add_rms_norm(x, NULL, d->input_norm[0], d->eps, h, n, H);
+    for (int64_t l = 0; l < d->layers; l++) {
+        q8_linear(h, n, H, d->qkv_q[l], d->qkv_s[l], QKV, qkv);
+        attention(qkv, n, rope, k_cache + l * layer_stride, v_cache + l * layer_stride, cap, slot, mask,
+                  d->heads, d->kv_heads, d->head_dim, attn);
+        q8_linear(attn, n, A, d->o_q[l], d->o_s[l], H, tmp);
+        add_rms_norm(x, tmp, d->post_norm[l], d->eps, h, n, H);
+        q8_linear(h, n, H, d->gate_up_q[l], d->gate_up_s[l], 2 * d->mlp, gate_up);
+        for (int64_t i = 0; i < n; i++)  // rows of act keep their zero padding
+            silu_mul(gate_up + i * 2 * d->mlp, act + i * d->mlp_padded, 1, d->mlp);
+        q8_linear(act, n, d->mlp_padded, d->down_q[l], d->down_s[l], H, tmp);
+        const int last = l + 1 == d->layers;
+        add_rms_norm(x, tmp, last ? d->final_norm : d->input_norm[l + 1], d->eps, last ? out : h, n, H);
+    }
+    free(h); free(tmp); free(qkv); free(attn); free(gate_up); free(act);
+}

@@ -161,6 +161,7 @@ class FastLlamaWeights:
         self.n_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
+        self.hidden = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.max_position_embeddings = cfg.max_position_embeddings
         with torch.inference_mode():
@@ -171,6 +172,18 @@ class FastLlamaWeights:
         rotary = model.model.rotary_emb
         self.inv_freq = rotary.inv_freq.detach().float().clone()
         self.rope_scaling = float(rotary.attention_scaling)
+
+    @cached_property
+    def native_decoder(self) -> cpu_kernels.Q8Decoder | None:
+        """The whole int8 layer stack as one native call, where the kernels built and the sizes fit."""
+        if self.weight_dtype != "int8" or not cpu_kernels.available() or (self.hidden % cpu_kernels.GROUP
+                                                                          or self.n_heads * self.head_dim % cpu_kernels.GROUP):
+            return None
+        layers = [{f"{name}_{part}": getattr(getattr(layer, name), attr)
+                   for name in ("qkv", "o", "gate_up", "down") for part, attr in (("q", "weight"), ("s", "scales"))}
+                  | {"input_norm": layer.input_norm, "post_norm": layer.post_norm} for layer in self.layers]
+        return cpu_kernels.Q8Decoder(layers, self.norm, mlp=self.layers[0].gate_up.out_features // 2,
+                                     heads=self.n_heads, kv_heads=self.n_kv_heads, head_dim=self.head_dim, eps=self.eps)
 
     @cached_property
     def lm_head(self) -> PackedLinear:
@@ -320,6 +333,8 @@ class FastLlamaCausalLM(CausalLM):
         else:
             rope, pos, mask = tree
         glue = _glue()
+        if glue is cpu_kernels and w.native_decoder is not None:
+            return w.native_decoder(x, rope, self.k, self.v, pos, mask)
         h = glue.add_rms_norm(x, None, w.layers[0].input_norm, w.eps)
         for i, layer in enumerate(w.layers):
             attn = glue.attention(layer.qkv(h), rope, self.k[i], self.v[i], pos, mask, w.n_heads, w.n_kv_heads)
