@@ -13,7 +13,8 @@ from engine.cli import add_spec_arguments, spec_config_from_args
 from engine.config import DECODE_METHODS
 from engine.decoding import generate
 from engine.events import FinishEvent, StartEvent, TokenEvent
-from engine.models.registry import DRAFTER_KINDS, load_pair
+from engine.models.fast_llama import WEIGHT_DTYPES
+from engine.models.registry import DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS, load_pair
 from playground.limits import ALLOWED_PAIRS, Limits, check_pair
 
 COLOURS = {"accepted": "\033[32m", "recovered": "\033[33m", "bonus": "\033[34m", "generated": ""}
@@ -31,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "default: the draft gets the last core)")
     ap.add_argument("--concurrency", type=int, default=None, help="engine jobs at once (default: Limits)")
     ap.add_argument("--drafter", default="model", choices=DRAFTER_KINDS)
+    ap.add_argument("--weights", default=DEFAULT_FAST_WEIGHTS, choices=WEIGHT_DTYPES,
+                    help="weight format of the fast CPU backend (auto: int8 on the native kernels, else float16; "
+                    "float16 is where speculation pays on a small CPU, see assets/FAST_BACKEND.md)")
     ap.add_argument("--cli", action="store_true", help="terminal preview instead of the browser playground")
     ap.add_argument("--method", default="sps", choices=DECODE_METHODS, help="--cli only")
     ap.add_argument("--prompt", default="Write a short poem about the sea.", help="--cli only")
@@ -42,11 +46,11 @@ def run_cli(args: argparse.Namespace) -> int:
     cfg = spec_config_from_args(args, method=args.method)
     cfg.validate()
     pair = load_pair(args.pair)
-    drafter = None if args.method == "ar" else pair.make_drafter(args.drafter)
+    drafter = None if args.method == "ar" else pair.make_drafter(args.drafter, weight_dtype=args.weights)
     colour = sys.stdout.isatty()
     print("Legend: " + " ".join(f"{COLOURS[s] if colour else ''}{s}{RESET if colour else ''}"
                                 for s in ("accepted", "recovered", "bonus")) + "\n")
-    for event in generate(pair.make_target(), drafter, pair.tokenizer, pair.encode_prompt(args.prompt), cfg,
+    for event in generate(pair.make_target(weight_dtype=args.weights), drafter, pair.tokenizer, pair.encode_prompt(args.prompt), cfg,
                           eos_token_ids=pair.eos_token_ids):
         if isinstance(event, StartEvent):
             print(f"[{event.target} | draft: {event.drafter} | {event.devices} | {event.prompt_tokens} "
@@ -79,7 +83,7 @@ def run_playground(args: argparse.Namespace) -> int:
     if args.concurrency:
         limits = replace(limits, concurrency=args.concurrency)
     ctx = PlaygroundContext(pair_name=args.pair, pair=pair, limits=limits, drafter_kind=args.drafter, devices=devices,
-                            ssd_devices=args.ssd_devices)
+                            ssd_devices=args.ssd_devices, weight_dtype=args.weights)
     print(f"specplay: pair {args.pair} on {devices}; measuring the AR baseline…", flush=True)
     measure_ar_baseline(ctx, pair.encode_prompt("Write a short poem about the sea."))
     print(f"specplay: {ctx.ar_baseline_note}", flush=True)

@@ -20,7 +20,7 @@ import pandas as pd
 from engine.config import SpecConfig
 from engine.decoding import generate
 from engine.events import RoundEvent
-from engine.models.registry import ModelPair
+from engine.models.registry import DEFAULT_FAST_WEIGHTS, ModelPair
 from engine.ssd.ssd_decoding import SSDEngine
 from playground.limits import Limits, inspector_width
 from playground.session import Session, SessionStore
@@ -44,11 +44,15 @@ class PlaygroundContext:
     ar_baseline_note: str = "not measured yet"
     active_runs: int = 0  # engine loops running right now (for the health line and tests)
     ssd_devices: str = ""  # "target=cpu:0,draft=cpu:1"; empty = the engine's default split
+    weight_dtype: str = DEFAULT_FAST_WEIGHTS  # the fast backend's weight format (app.py --weights)
     _ssd: SSDEngine | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def make_models(self, method: str):
-        return self.pair.make_target(), (None if method == "ar" else self.pair.make_drafter(self.drafter_kind))
+        target = self.pair.make_target(weight_dtype=self.weight_dtype)
+        if method == "ar":
+            return target, None
+        return target, self.pair.make_drafter(self.drafter_kind, weight_dtype=self.weight_dtype)
 
     def ssd_engine(self) -> SSDEngine:
         """The one SSD engine (one draft worker) of this app, started on first use; one SSD run at a time."""
@@ -56,8 +60,8 @@ class PlaygroundContext:
             if self._ssd is None:
                 target, draft = (dict(p.split("=", 1) for p in self.ssd_devices.split(",")).values()
                                  if self.ssd_devices else (None, None))
-                self._ssd = SSDEngine(self.pair, drafter_kind=self.drafter_kind, target_device=target,
-                                      draft_device=draft)
+                self._ssd = SSDEngine(self.pair, drafter_kind=self.drafter_kind, weight_dtype=self.weight_dtype,
+                                      target_device=target, draft_device=draft)
             return self._ssd
 
     def with_inspector(self, cfg: SpecConfig) -> SpecConfig:
@@ -71,8 +75,8 @@ class PlaygroundContext:
 def measure_ar_baseline(ctx: PlaygroundContext, prompt_ids: Sequence[int], new_tokens: int = 32) -> float:
     """Plain AR tokens/s of this target on this machine (greedy, EOS ignored): the speedup reference."""
     cfg = SpecConfig(method="ar", max_new_tokens=new_tokens, temperature=0.0)
-    list(generate(ctx.pair.make_target(), None, ctx.pair.tokenizer, prompt_ids, SpecConfig(method="ar", max_new_tokens=8)))
-    finish = list(generate(ctx.pair.make_target(), None, ctx.pair.tokenizer, prompt_ids, cfg))[-1]
+    list(generate(ctx.make_models("ar")[0], None, ctx.pair.tokenizer, prompt_ids, SpecConfig(method="ar", max_new_tokens=8)))
+    finish = list(generate(ctx.make_models("ar")[0], None, ctx.pair.tokenizer, prompt_ids, cfg))[-1]
     tps = finish.metrics["decode_tokens_per_s"]
     ctx.ar_baseline_tps = tps
     ctx.ar_baseline_note = f"AR baseline {tps:.1f} tok/s (greedy, {new_tokens} tokens after a warm-up, measured at start-up)"

@@ -86,6 +86,17 @@ def test_stop_really_stops_the_engine(tiny_pair):
     assert ctx.active_runs == 0
 
 
+def test_app_weights_flag_reaches_every_model_the_playground_makes(tiny_pair):
+    import app
+
+    args = app.parse_args(["--weights", "float32"])
+    ctx = PlaygroundContext("tiny", tiny_pair, weight_dtype=args.weights)
+    target, drafter = ctx.make_models("sps")
+    assert target.backend_label == "fast/float32" and drafter.lm.backend_label == "fast/float32"
+    with pytest.raises(SystemExit):
+        app.parse_args(["--weights", "int3"])
+
+
 def test_compare_shares_draws_cactus_delta0_equals_sps(tiny_pair):
     ctx = PlaygroundContext("tiny", tiny_pair)
     cfg = SpecConfig(temperature=0.8, delta=0.0, max_new_tokens=16, seed=1)
