@@ -10,19 +10,13 @@ import torch
 from engine.models import cpu_kernels, fast_llama
 from engine.models.fast_llama import FastLlamaCausalLM, _TorchGlue
 
-native = pytest.mark.skipif(not cpu_kernels.available(), reason="native kernels need cc and an AVX2/FMA CPU")
+native = pytest.mark.skipif(not cpu_kernels.available(), reason="native kernels need cc and an AVX2/FMA/F16C CPU")
 
 
 def test_kernels_build_where_they_can():
     """CI installs a compiler on an AVX2 machine: a broken build must fail here, not fall back silently."""
-    if shutil.which("cc") and cpu_kernels._cpu_has_avx2_fma():
+    if shutil.which("cc") and cpu_kernels._cpu_supported():
         assert cpu_kernels.available()
-
-
-@pytest.fixture
-def torch_only(monkeypatch):
-    """Run without the native library: every op takes its torch path."""
-    monkeypatch.setattr(cpu_kernels, "_library", lambda: None)
 
 
 @native
@@ -38,6 +32,16 @@ def test_q8_linear_matches_dequantized_weights_and_rows_are_independent(n, k):
     # A row's result never depends on the rows it shares a call with (verification == decoding).
     for i in (0, 5, 10):
         assert torch.equal(cpu_kernels.q8_linear(x[i:i + 1], q, scales)[0], y[i])
+
+
+@native
+def test_f16_linear_matches_fp16_weights_and_rows_are_independent():
+    weight = (torch.randn(70, 40) * 0.05).half()  # K = 40: padded to 64
+    x = torch.randn(7, 40)
+    y = cpu_kernels.f16_linear(x, cpu_kernels.pad_to_group(weight.float()).half())
+    torch.testing.assert_close(y, x @ weight.float().T, atol=1e-5, rtol=1e-5)
+    for i in (0, 3, 6):  # tiles of 3 rows; each row sums its k-lanes the same way regardless
+        assert torch.equal(cpu_kernels.f16_linear(x[i:i + 1], cpu_kernels.pad_to_group(weight.float()).half())[0], y[i])
 
 
 @native
@@ -93,11 +97,12 @@ def test_native_and_torch_glue_give_the_same_float32_model(tiny_pair, monkeypatc
 
 
 @native
-def test_int8_verification_is_bit_identical_to_decoding(tiny_pair):
-    """Why greedy SpS equals AR exactly in int8: the logits of a token do not depend on how many
-    tokens share its forward (no batch-dependent activation scales, no batch-dependent kernels)."""
+@pytest.mark.parametrize("weight_dtype", ["int8", "float16"])
+def test_verification_is_bit_identical_to_decoding(tiny_pair, weight_dtype):
+    """Why greedy SpS equals AR exactly on the native formats: the logits of a token do not depend
+    on how many tokens share its forward (no batch-dependent scales or summation orders)."""
     prompt = tiny_pair.encode_prompt("Bit for bit")
-    lm = FastLlamaCausalLM(tiny_pair.target_model, "int8", tiny_pair.vocab_size, weight_dtype="int8")
+    lm = FastLlamaCausalLM(tiny_pair.target_model, "native", tiny_pair.vocab_size, weight_dtype=weight_dtype)
     lm.forward(prompt)
     together = lm.forward([11, 12, 13, 14, 15], last_n=5)
     lm.rollback(len(prompt))
@@ -106,8 +111,9 @@ def test_int8_verification_is_bit_identical_to_decoding(tiny_pair):
 
 
 @native
+@pytest.mark.parametrize("weight_dtype", ["int8", "float16"])
 @pytest.mark.parametrize("tree", [False, True])
-def test_native_int8_decoder_is_the_per_op_path_in_one_call(tiny_pair, monkeypatch, tree):
+def test_native_decoder_is_the_per_op_path_in_one_call(tiny_pair, monkeypatch, tree, weight_dtype):
     """The fused decoder_forward runs the same kernels in the same order as the Python layer loop,
     so the logits agree bit for bit (causal prefill, a decode step, and a tree forward)."""
     prompt = tiny_pair.encode_prompt("One call")
@@ -121,16 +127,21 @@ def test_native_int8_decoder_is_the_per_op_path_in_one_call(tiny_pair, monkeypat
                                        lm.length, torch.cat([torch.ones(3, 2, dtype=torch.bool), visible], 1)))
         return torch.cat(out)
 
-    fused = FastLlamaCausalLM(tiny_pair.target_model, "fused", tiny_pair.vocab_size, weight_dtype="int8")
+    fused = FastLlamaCausalLM(tiny_pair.target_model, "fused", tiny_pair.vocab_size, weight_dtype=weight_dtype)
     assert fused.w.native_decoder is not None
     got = run(fused)
     monkeypatch.setattr(fused.w, "native_decoder", None)
     assert torch.equal(run(FastLlamaCausalLM(tiny_pair.target_model, "per-op", tiny_pair.vocab_size,
-                                             weight_dtype="int8")), got)
+                                             weight_dtype=weight_dtype)), got)
 
 
-def test_auto_weights_pick_int8_only_with_the_native_kernels(torch_only):
-    assert fast_llama.resolve_weight_dtype("auto") == "float16"
-    assert fast_llama.resolve_weight_dtype("float32") == "float32"
-    with pytest.raises(ValueError, match="weight_dtype"):
-        fast_llama.resolve_weight_dtype("float8")
+@native
+def test_float16_falls_back_to_fbgemm_without_the_native_kernels(monkeypatch):
+    weight, x = torch.randn(96, 64) * 0.05, torch.randn(3, 64)
+    native_linear = fast_llama.PackedLinear(weight, "float16")
+    assert native_linear.native
+    expected = native_linear(x)
+    monkeypatch.setattr(cpu_kernels, "_library", lambda: None)
+    fallback = fast_llama.PackedLinear(weight, "float16")
+    assert not fallback.native
+    torch.testing.assert_close(fallback(x), expected, atol=1e-5, rtol=1e-5)

@@ -1,4 +1,4 @@
-// Native CPU kernels for the fast Llama backend (AVX2 + FMA), loaded by cpu_kernels.py.
+// Native CPU kernels for the fast Llama backend (AVX2 + FMA + F16C), loaded by cpu_kernels.py.
 //
 // q8_linear: an int8-weight GEMM for small batches, y[M, N] = x[M, K] @ dequant(W)[N, K]^T.
 // W is quantized in groups of 32 along K, as llama.cpp's Q8_0: w = q * scale, q in [-127, 127],
@@ -91,6 +91,38 @@ void q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const floa
     }
     free(xq);
     free(xs);
+}
+
+// f16_linear: y[M, N] = x[M, K] @ W[N, K]^T with W stored as IEEE fp16 (converted by F16C on
+// load, accumulated in fp32); K % 32 == 0. Every row keeps four partial sums over the same
+// k-lanes, whatever M, so its result is bit-identical however many rows share the call; tiles of
+// up to 3 rows reuse each weight row from L1.
+#define F16_TILE 3
+static inline __attribute__((always_inline)) void f16_tile(const float *x, int64_t K, const uint16_t *w, float *y,
+                                                           int64_t N, const int rows) {
+    __m256 acc[F16_TILE][4];
+    for (int m = 0; m < rows; m++)
+        for (int u = 0; u < 4; u++) acc[m][u] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m256 wv[4];
+        for (int u = 0; u < 4; u++) wv[u] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + k + 8 * u)));
+        for (int m = 0; m < rows; m++)
+            for (int u = 0; u < 4; u++) acc[m][u] = _mm256_fmadd_ps(wv[u], _mm256_loadu_ps(x + m * K + k + 8 * u), acc[m][u]);
+    }
+    for (int m = 0; m < rows; m++)
+        y[m * N] = hsum(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
+}
+
+void f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t m0 = 0; m0 < M; m0 += F16_TILE) {
+            const int64_t rows = M - m0 < F16_TILE ? M - m0 : F16_TILE;
+            if (rows == 1) f16_tile(x + m0 * K, K, w + n * K, y + m0 * N + n, N, 1);
+            else if (rows == 2) f16_tile(x + m0 * K, K, w + n * K, y + m0 * N + n, N, 2);
+            else f16_tile(x + m0 * K, K, w + n * K, y + m0 * N + n, N, 3);
+        }
+    }
 }
 
 // ---- The glue between the GEMMs: each replaces several small torch ops (and their per-op cost). ----
@@ -251,18 +283,25 @@ void attention(const float *qkv, int64_t n, const float *rope, float *kc, float 
     }
 }
 
-// ---- The whole int8 decoder in one call: no Python (or ctypes, or thread wake-up) between ops. ----
+// ---- The whole decoder stack in one call: no Python (or ctypes, or thread wake-up) between ops. ----
 
-// Per-layer int8 weights (Q8_0: q [N, K] and scales [N, K/32] per matrix) and norm weights, as
-// arrays indexed by layer. down's K is the MLP width padded to a multiple of 32 (zero columns).
+// Per-layer weights and norm weights as arrays indexed by layer. format 0: int8 (Q8_0, *_q int8
+// [N, K] with *_s scales [N, K/32]); format 1: fp16 (*_q fp16 [N, K], *_s unused). down's K is
+// the MLP width padded to a multiple of 32 (zero columns).
 typedef struct {
-    const int8_t *const *qkv_q, *const *o_q, *const *gate_up_q, *const *down_q;
+    const void *const *qkv_q, *const *o_q, *const *gate_up_q, *const *down_q;
     const float *const *qkv_s, *const *o_s, *const *gate_up_s, *const *down_s;
     const float *const *input_norm, *const *post_norm;
     const float *final_norm;
-    int64_t layers, hidden, mlp, mlp_padded, heads, kv_heads, head_dim;
+    int64_t format, layers, hidden, mlp, mlp_padded, heads, kv_heads, head_dim;
     float eps;
 } Decoder;
+
+static void decoder_linear(const Decoder *d, const void *w, const float *s, const float *x, int64_t n, int64_t K,
+                           int64_t N, float *y) {
+    if (d->format == 0) q8_linear(x, n, K, w, s, N, y);
+    else f16_linear(x, n, K, w, N, y);
+}
 
 // x [n, hidden]: input vectors, consumed as the residual stream; out [n, hidden]: final-norm
 // hidden states. Caches [layers, kv_heads, cap, head_dim]; rope, slot and mask as in attention().
@@ -275,15 +314,15 @@ void decoder_forward(const Decoder *d, float *x, int64_t n, float *k_cache, floa
     float *gate_up = malloc(n * 2 * d->mlp * sizeof(float)), *act = calloc(n * d->mlp_padded, sizeof(float));
     add_rms_norm(x, NULL, d->input_norm[0], d->eps, h, n, H);
     for (int64_t l = 0; l < d->layers; l++) {
-        q8_linear(h, n, H, d->qkv_q[l], d->qkv_s[l], QKV, qkv);
+        decoder_linear(d, d->qkv_q[l], d->qkv_s[l], h, n, H, QKV, qkv);
         attention(qkv, n, rope, k_cache + l * layer_stride, v_cache + l * layer_stride, cap, slot, mask,
                   d->heads, d->kv_heads, d->head_dim, attn);
-        q8_linear(attn, n, A, d->o_q[l], d->o_s[l], H, tmp);
+        decoder_linear(d, d->o_q[l], d->o_s[l], attn, n, A, H, tmp);
         add_rms_norm(x, tmp, d->post_norm[l], d->eps, h, n, H);
-        q8_linear(h, n, H, d->gate_up_q[l], d->gate_up_s[l], 2 * d->mlp, gate_up);
+        decoder_linear(d, d->gate_up_q[l], d->gate_up_s[l], h, n, H, 2 * d->mlp, gate_up);
         for (int64_t i = 0; i < n; i++)  // rows of act keep their zero padding
             silu_mul(gate_up + i * 2 * d->mlp, act + i * d->mlp_padded, 1, d->mlp);
-        q8_linear(act, n, d->mlp_padded, d->down_q[l], d->down_s[l], H, tmp);
+        decoder_linear(d, d->down_q[l], d->down_s[l], act, n, d->mlp_padded, H, tmp);
         const int last = l + 1 == d->layers;
         add_rms_norm(x, tmp, last ? d->final_norm : d->input_norm[l + 1], d->eps, last ? out : h, n, H);
     }

@@ -41,7 +41,7 @@ from transformers import PreTrainedModel
 from engine.models import cpu_kernels
 from engine.models.causal_lm import CausalLM
 
-WEIGHT_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq does not change with length
 
 
@@ -66,17 +66,6 @@ def fast_backend_supported(model: PreTrainedModel) -> bool:
     )
 
 
-def resolve_weight_dtype(weight_dtype: str) -> str:
-    """`auto`: int8 where the native kernels built (the fastest format on an AVX2 CPU, at a
-    measured KL of ~4e-3 nats against float32), else float16 (fp32-level fidelity). Measured in
-    assets/FAST_BACKEND.md."""
-    if weight_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"unknown weight_dtype {weight_dtype!r}; expected one of {', '.join(WEIGHT_DTYPES)}")
-    if weight_dtype == "auto":
-        return "int8" if cpu_kernels.available() else "float16"
-    return weight_dtype
-
-
 def _has_op(namespace: str, name: str) -> bool:
     try:
         getattr(getattr(torch.ops, namespace), name)
@@ -95,7 +84,8 @@ class PackedLinear:
     """y = x @ W.T for float32 x [M, in] -> float32 y [M, out], W stored in `dtype`.
 
     float32  oneDNN with a prepacked weight (falls back to F.linear).
-    float16  fbgemm's fp16 weight-only GEMM: fp16 weights, fp32 activations and accumulation.
+    float16  fp16 weights, fp32 activations and accumulation: our F16C kernel (cpu_kernels.c)
+             where it built, else fbgemm's fp16 weight-only GEMM.
     bfloat16 F.linear on bf16 activations and weights (fast only where the CPU has bf16 units).
     int8     llama.cpp's Q8_0 x Q8_0: int8 weights and int8 activations (per row, per group of 32,
              so a row's result never depends on the other rows), integer dot products on our
@@ -105,11 +95,17 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, dtype: str) -> None:
         self.dtype = dtype
         self.out_features = weight.shape[0]
+        self.scales = None  # int8 only
+        # float16 and int8 run on the native kernels where they built (cpu_kernels.c).
+        self.native = dtype in ("float16", "int8") and cpu_kernels.available()
         weight = weight.detach().float().contiguous()
         if dtype == "float32":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if _ONEDNN_FP32 else weight
         elif dtype == "float16":
-            self.weight = torch.ops.quantized.linear_prepack_fp16(weight, None) if _FBGEMM_FP16 else weight.half()
+            if self.native:
+                self.weight = cpu_kernels.pad_to_group(weight).half().contiguous()
+            else:
+                self.weight = torch.ops.quantized.linear_prepack_fp16(weight, None) if _FBGEMM_FP16 else weight.half()
         elif dtype == "bfloat16":
             self.weight = weight.to(torch.bfloat16)
         elif dtype == "int8":
@@ -123,6 +119,8 @@ class PackedLinear:
                 return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
             return F.linear(x, self.weight)
         if self.dtype == "float16":
+            if self.native:
+                return cpu_kernels.f16_linear(x, self.weight)
             if _FBGEMM_FP16:
                 return torch.ops.quantized.linear_dynamic_fp16(x, self.weight)
             return F.linear(x.half(), self.weight).float()
@@ -163,7 +161,9 @@ class FastLlamaWeights:
             raise ValueError(f"the fast backend does not support this model ({type(model).__name__}, "
                              f"model_type={getattr(model.config, 'model_type', None)!r}); use the transformers backend")
         cfg = model.config
-        self.weight_dtype = weight_dtype = resolve_weight_dtype(weight_dtype)
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"unknown weight_dtype {weight_dtype!r}; expected one of {', '.join(WEIGHT_DTYPES)}")
+        self.weight_dtype = weight_dtype
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -181,16 +181,18 @@ class FastLlamaWeights:
         self.rope_scaling = float(rotary.attention_scaling)
 
     @cached_property
-    def native_decoder(self) -> cpu_kernels.Q8Decoder | None:
-        """The whole int8 layer stack as one native call, where the kernels built and the sizes fit."""
-        if self.weight_dtype != "int8" or not cpu_kernels.available() or (self.hidden % cpu_kernels.GROUP
-                                                                          or self.n_heads * self.head_dim % cpu_kernels.GROUP):
+    def native_decoder(self) -> cpu_kernels.NativeDecoder | None:
+        """The whole layer stack as one native call, for the formats with native GEMMs where the
+        kernels built and the sizes fit."""
+        if self.weight_dtype not in cpu_kernels.NativeDecoder.FORMATS or not self.layers[0].qkv.native or (
+                self.hidden % cpu_kernels.GROUP or self.n_heads * self.head_dim % cpu_kernels.GROUP):
             return None
         layers = [{f"{name}_{part}": getattr(getattr(layer, name), attr)
                    for name in ("qkv", "o", "gate_up", "down") for part, attr in (("q", "weight"), ("s", "scales"))}
                   | {"input_norm": layer.input_norm, "post_norm": layer.post_norm} for layer in self.layers]
-        return cpu_kernels.Q8Decoder(layers, self.norm, mlp=self.layers[0].gate_up.out_features // 2,
-                                     heads=self.n_heads, kv_heads=self.n_kv_heads, head_dim=self.head_dim, eps=self.eps)
+        return cpu_kernels.NativeDecoder(self.weight_dtype, layers, self.norm,
+                                         mlp=self.layers[0].gate_up.out_features // 2, heads=self.n_heads,
+                                         kv_heads=self.n_kv_heads, head_dim=self.head_dim, eps=self.eps)
 
     @cached_property
     def lm_head(self) -> PackedLinear:
@@ -211,7 +213,6 @@ _WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def fast_weights(model: PreTrainedModel, weight_dtype: str = "float32") -> FastLlamaWeights:
     """Converted weights for `model`, built on first use and cached for the model's lifetime."""
     per_model = _WEIGHTS.setdefault(model, {})
-    weight_dtype = resolve_weight_dtype(weight_dtype)
     if weight_dtype not in per_model:
         per_model[weight_dtype] = FastLlamaWeights(model, weight_dtype)
     return per_model[weight_dtype]
@@ -285,7 +286,7 @@ class FastLlamaCausalLM(CausalLM):
         super().__init__()
         self.w = fast_weights(model, weight_dtype)
         self.name = name
-        self.weight_dtype = self.w.weight_dtype
+        self.weight_dtype = weight_dtype
         self.vocab_size = vocab_size or model.config.vocab_size
         self.max_length = 0
         self._allocate(min(max_length, self.w.max_position_embeddings))

@@ -81,7 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--formats", default=",".join(f for f in WEIGHT_DTYPES if f != "auto"))
+    parser.add_argument("--formats", default=",".join(WEIGHT_DTYPES))
     parser.add_argument("--no-quality", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -38,7 +38,7 @@ class DrafterSpec:
     pair: str = "tiny"
     kind: str = "model"
     backend: str = "auto"
-    weight_dtype: str = "auto"
+    weight_dtype: str = "float16"
 
 
 @dataclass(frozen=True)
