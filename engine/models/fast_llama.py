@@ -11,16 +11,17 @@ Why it is faster than `HFCausalLM` on a small, memory-bandwidth-bound CPU:
 * Weights can be stored as float16, bfloat16 or int8: decoding reads every weight once per
   step, so fewer bytes per weight is most of the speed-up. The residual stream, norms, RoPE,
   attention and the KV cache stay float32 in every mode.
-* int8 (llama.cpp's Q8_0 layout) runs on our own AVX2 kernels (cpu_kernels.c, compiled on first
-  use): an int8-weight GEMM with exact integer group sums, and the whole layer stack in one
-  native call, so nothing runs in Python between the ops of a step. It is the default (`auto`)
-  wherever the kernels build: ~4x fewer milliseconds per token than float32 at a KL of ~1e-3.
-* The other formats run the layer loop in Python over prepacked GEMMs (oneDNN for fp32, fbgemm
-  for fp16), with the glue between them (add+RMSNorm, RoPE+cache+attention, SiLU*mul) in one
-  native call each where the kernels built, or in torch ops otherwise.
-* Verifying K+1 tokens reads each weight once for all rows. float32/float16 GEMMs are
-  memory-bound here, so 5 rows cost ~1.3-1.4x one row; the int8 kernel is compute-bound beyond
-  one row on this CPU (~2.8x for 5 rows), which is what makes speculation pay less on int8.
+* float16 and int8 (llama.cpp's Q8_0 layout) run on our own AVX2 kernels (cpu_kernels.c,
+  compiled on first use), and the whole layer stack runs in one native call, so nothing runs
+  in Python between the ops of a step. float16 is the default: fp32 fidelity (KL ~2e-6) at
+  ~5x the transformers backend's decode speed; int8 is ~1.5x faster again at a KL of ~1e-3.
+* float32 (and float16 where the kernels cannot build) runs the layer loop in Python over
+  prepacked GEMMs (oneDNN for fp32, fbgemm for fp16), with the glue between them (add+RMSNorm,
+  RoPE+cache+attention, SiLU*mul) in one native call each where the kernels built, or in
+  torch ops otherwise.
+* Verifying K+1 tokens reads each weight once for all rows. On this CPU the native GEMMs are
+  compute-bound beyond one row (~5 ms of multiply-adds per extra row on the default target),
+  so 5 rows cost ~2-3x one; the slower memory-bound float32 path costs ~1.3x.
 
 Converted weights are built once per (model, weight_dtype) and shared by every instance, so
 instances stay cheap to create like any `CausalLM`: only the KV cache is per-instance state.
