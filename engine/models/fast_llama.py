@@ -20,8 +20,9 @@ Why it is faster than `HFCausalLM` on a small, memory-bandwidth-bound CPU:
   RoPE+cache+attention, SiLU*mul) in one native call each where the kernels built, or in
   torch ops otherwise.
 * Verifying K+1 tokens reads each weight once for all rows. On this CPU the native GEMMs are
-  compute-bound beyond one row (~5 ms of multiply-adds per extra row on the default target),
-  so 5 rows cost ~2-3x one; the slower memory-bound float32 path costs ~1.3x.
+  compute-bound beyond one row (on the default target ~2.5 ms per extra row in float16, ~5 ms in
+  int8), so 5 rows cost ~1.6-1.8x one in float16 and ~2.9x in int8; the slower, memory-bound
+  float32 path costs ~1.3x.
 
 Converted weights are built once per (model, weight_dtype) and shared by every instance, so
 instances stay cheap to create like any `CausalLM`: only the KV cache is per-instance state.
