@@ -97,6 +97,17 @@ def test_app_weights_flag_reaches_every_model_the_playground_makes(tiny_pair):
         app.parse_args(["--weights", "int3"])
 
 
+def test_status_line_says_which_backend_and_weights_ran(tiny_pair):
+    from playground.app import _status_line
+
+    run = RunState(method="ar")
+    ctx = PlaygroundContext("tiny", tiny_pair, weight_dtype="float32")
+    for event in generate(*ctx.make_models("ar"), tiny_pair.tokenizer, tiny_pair.encode_prompt("hi"),
+                          SpecConfig(method="ar", max_new_tokens=3)):
+        reduce(run, event)
+    assert "fast/float32 on cpu" in _status_line(run, None)
+
+
 def test_compare_shares_draws_cactus_delta0_equals_sps(tiny_pair):
     ctx = PlaygroundContext("tiny", tiny_pair)
     cfg = SpecConfig(temperature=0.8, delta=0.0, max_new_tokens=16, seed=1)
