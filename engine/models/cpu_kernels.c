@@ -1,13 +1,14 @@
 // Native CPU kernels for the fast Llama backend (AVX2 + FMA + F16C), loaded by cpu_kernels.py.
 //
-// q8_linear: an int8-weight GEMM for small batches, y[M, N] = x[M, K] @ dequant(W)[N, K]^T.
-// W is quantized in groups of 32 along K, as llama.cpp's Q8_0: w = q * scale, q in [-127, 127],
-// one float scale per group. Each activation row is quantized to int16 per group of 32, so a
-// row's output does not depend on which other rows share the call (verification stays
-// batch-invariant, bit for bit), and the group dot products are exact integer sums.
-//
-// Each output channel's int8 row is read from memory once and applied to all M input rows while
-// it sits in L1, so verifying K+1 tokens reads the same bytes as decoding one.
+// Small-batch GEMMs (M = 1 to K+1 rows: decoding and verification), each reading an output
+// channel's weight row from memory once and applying it to all rows while it sits in L1:
+//   q8_linear   int8 weights in groups of 32 (llama.cpp's Q8_0), activations quantized to int16
+//               per row and group, exact integer group sums;
+//   f16_linear  fp16 weights, fp32 activations and accumulation.
+// In both a row's output does not depend on which other rows share the call (verification is
+// bit-identical to decoding one token at a time). Then the glue between the GEMMs (add+RMSNorm,
+// SiLU*mul, RoPE + KV cache + grouped-query attention) and decoder_forward, the whole layer
+// stack in one call.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>

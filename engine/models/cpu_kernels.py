@@ -5,7 +5,7 @@ about a second (a torch C++ extension takes a minute of header parsing), and a c
 few microseconds. The library links `libgomp.so.1`, the OpenMP runtime torch itself loads, so it
 shares torch's thread pool and follows `torch.set_num_threads`.
 
-Everything here is optional: `available()` is False without a C compiler or without AVX2/FMA, and
+Everything here is optional: `available()` is False without a C compiler or without AVX2/FMA/F16C, and
 callers then fall back to plain torch ops (and, for float16 GEMMs, fbgemm).
 """
 
@@ -82,8 +82,8 @@ def _library() -> ctypes.CDLL | None:
         "add_rms_norm": [ptr, ptr, ptr, f32, ptr, i64, i64],
         "silu_mul": [ptr, ptr, i64, i64],
         "attention": [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr],
+        "decoder_forward": [ctypes.POINTER(_DecoderLayout), ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr],
     }
-    signatures["decoder_forward"] = [ctypes.POINTER(_DecoderLayout), ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr]
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, argtypes
@@ -117,6 +117,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_q8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Back to float32 from either quantizer: q [N, K] (int8 or int16), one scale per group of GROUP."""
     return (q.view(q.shape[0], -1, GROUP).float() * scales[..., None]).view(q.shape)
 
 
@@ -130,9 +131,8 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.T
 
     x is quantized to int16 per row and group of GROUP (so each row's result depends on that row
     alone, and the activations add ~250x less rounding error than the int8 weights), the group
-    dot products are exact in int32, and groups are summed in float32. Without the native kernel the same math runs in torch (slower; results agree up to
-    float summation order, but activation rounding can flip on such tiny differences, so the two
-    paths drift apart by quantization noise over many layers).
+    dot products are exact in int32, and groups are summed in float32. Without the native kernel
+    the same math runs in torch: slower, and equal up to float summation order.
     """
     x = pad_to_group(x.float()).contiguous()
     m, k = x.shape
