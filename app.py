@@ -50,7 +50,8 @@ def run_cli(args: argparse.Namespace) -> int:
     colour = sys.stdout.isatty()
     print("Legend: " + " ".join(f"{COLOURS[s] if colour else ''}{s}{RESET if colour else ''}"
                                 for s in ("accepted", "recovered", "bonus")) + "\n")
-    for event in generate(pair.make_target(weight_dtype=args.weights), drafter, pair.tokenizer, pair.encode_prompt(args.prompt), cfg,
+    target = pair.make_target(weight_dtype=args.weights)
+    for event in generate(target, drafter, pair.tokenizer, pair.encode_prompt(args.prompt), cfg,
                           eos_token_ids=pair.eos_token_ids):
         if isinstance(event, StartEvent):
             print(f"[{event.target} | draft: {event.drafter} | {event.devices} | {event.prompt_tokens} "

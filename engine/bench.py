@@ -223,7 +223,8 @@ def _weight_dtypes(text: str) -> list[str]:
     formats = list(dict.fromkeys(f for f in text.split(",") if f))
     bad = [f for f in formats if f not in WEIGHT_DTYPES]
     if bad or not formats:
-        raise argparse.ArgumentTypeError(f"--weight-dtype wants a comma list of {', '.join(WEIGHT_DTYPES)}; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--weight-dtype wants a comma list of {', '.join(WEIGHT_DTYPES)}; got {text!r}")
     return formats
 
 
@@ -310,8 +311,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
                 extra = ssd_args if m == SSD_METHOD else {}
                 runs[m, k, wd].append(runner(pair, m, prompts, replace(cfg, num_speculative_tokens=k), args.drafter,
                                              args.ignore_eos, args.backend, wd, **extra))
-                print(f"[bench] repeat {rep + 1}/{args.repeats} {label}: {runs[m, k, wd][-1]['tokens_per_s']:.2f} tok/s",
-                      file=sys.stderr, flush=True)
+                tps = runs[m, k, wd][-1]["tokens_per_s"]
+                print(f"[bench] repeat {rep + 1}/{args.repeats} {label}: {tps:.2f} tok/s", file=sys.stderr, flush=True)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
     finally:
@@ -323,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         for key in TIMED_KEYS + (("cache_hit_rate", "theoretical_speedup", "measured_speedup") if m == SSD_METHOD else ()):
             values = [r[key] for r in reps if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
-        row.update(label=labels[m, k, wd], method=m, weight_dtype=None if m in PEER_METHODS else wd, pair=pair.name, drafter="-" if m in UNDRAFTED else args.drafter,
+        row.update(label=labels[m, k, wd], method=m, weight_dtype=None if m in PEER_METHODS else wd, pair=pair.name,
+                   drafter="-" if m in UNDRAFTED else args.drafter,
                    k=None if m in UNDRAFTED else k, delta=args.delta if m == "cactus" else None,
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, prompts=args.prompts,
                    repeats=args.repeats, threads=torch.get_num_threads(),

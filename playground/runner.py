@@ -75,7 +75,8 @@ class PlaygroundContext:
 def measure_ar_baseline(ctx: PlaygroundContext, prompt_ids: Sequence[int], new_tokens: int = 32) -> float:
     """Plain AR tokens/s of this target on this machine (greedy, EOS ignored): the speedup reference."""
     cfg = SpecConfig(method="ar", max_new_tokens=new_tokens, temperature=0.0)
-    list(generate(ctx.make_models("ar")[0], None, ctx.pair.tokenizer, prompt_ids, SpecConfig(method="ar", max_new_tokens=8)))
+    warm_up = SpecConfig(method="ar", max_new_tokens=8)
+    list(generate(ctx.make_models("ar")[0], None, ctx.pair.tokenizer, prompt_ids, warm_up))
     finish = list(generate(ctx.make_models("ar")[0], None, ctx.pair.tokenizer, prompt_ids, cfg))[-1]
     tps = finish.metrics["decode_tokens_per_s"]
     ctx.ar_baseline_tps = tps

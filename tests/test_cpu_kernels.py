@@ -65,7 +65,8 @@ def test_glue_ops_match_torch():
 
 
 @native
-@pytest.mark.parametrize("n, masked, hd", [(1, False, 64), (4, False, 64), (5, True, 64), (3, True, 16), (2, False, 128)])
+@pytest.mark.parametrize("n, masked, hd",
+                         [(1, False, 64), (4, False, 64), (5, True, 64), (3, True, 16), (2, False, 128)])
 def test_attention_matches_torch(n, masked, hd):
     heads, kv_heads, cap, pos = 4, 2, 32, 9
     qkv = torch.randn(n, (heads + 2 * kv_heads) * hd)

@@ -214,8 +214,9 @@ class NativeDecoder:
             arrays[name] = (ctypes.c_void_p * len(layers))(*ptrs)
         self._keep.append(arrays)
         self.layout = _DecoderLayout(**arrays, final_norm=final_norm.data_ptr(), format=self.FORMATS[weight_format],
-                                     layers=len(layers), hidden=hidden, mlp=mlp, mlp_padded=layers[0]["down_q"].shape[1],
-                                     heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=eps)
+                                     layers=len(layers), hidden=hidden, mlp=mlp,
+                                     mlp_padded=layers[0]["down_q"].shape[1], heads=heads, kv_heads=kv_heads,
+                                     head_dim=head_dim, eps=eps)
 
     def __call__(self, x: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int,
                  mask: torch.Tensor | None) -> torch.Tensor:
