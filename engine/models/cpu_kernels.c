@@ -270,7 +270,9 @@ void attention(const float *qkv, int64_t n, const float *rope, float *kc, float 
             memcpy(vc + (h * cap + slot + i) * hd, qi + (heads + kv_heads + h) * hd, hd * sizeof(float));
         }
     }
-    #pragma omp parallel if (heads * n * keys >= 4096)
+    // Always split heads across threads: even one query at a 20-token context runs faster on two
+    // threads than one (measured 0.24 vs 0.30 ms over the default target's 30 layers).
+    #pragma omp parallel
     {
         float *s = malloc(keys * sizeof(float)), *q = malloc(hd * sizeof(float));
         #pragma omp for collapse(2) schedule(static)
