@@ -66,12 +66,11 @@ class FeatureDrafter(Drafter):
         feature = self._sync(context)
         tokens, rows = [], []
         for i in range(k):
-            probs = logits_to_probs(self._logits(feature[None])[0], params)
-            token = int(sample_from(probs, uniforms[i]))
-            tokens.append(token)
-            rows.append(probs)
+            token, probs = self._sample(feature[None], params, uniforms[i:i + 1])
+            tokens.append(int(token[0]))
+            rows.append(probs[0])
             if i + 1 < k:
-                feature = self._feed([token], feature[None])[-1]
+                feature = self._feed(tokens[-1:], feature[None])[-1]
         return Proposal(tokens, torch.stack(rows) if rows else torch.empty(0, self.vocab_size))
 
     @torch.inference_mode()
@@ -155,6 +154,24 @@ class FeatureDrafter(Drafter):
         x = self.fc(torch.cat([self.embed[tokens], features], dim=-1))
         self._extra_seconds += time.perf_counter() - start
         return x
+
+    def _sample(self, features: torch.Tensor, params: SamplingParams,
+                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw one token per row: (tokens [n], full-vocabulary probabilities [n, V]).
+
+        With a reduced head the sampling runs over V' alone and is scattered back: outside V' the
+        logits are -inf, so temperature, top-k and top-p select the same tokens, and the inverse-CDF
+        draw picks the same one (the zeros add nothing to the CDF) at a third of the work.
+        """
+        if self.head_ids is None:
+            probs = logits_to_probs(self._logits(features), params)
+            return sample_from(probs, uniforms), probs
+        start = time.perf_counter()
+        logits = self.head(features)
+        self._extra_seconds += time.perf_counter() - start
+        subset = logits_to_probs(logits, params)
+        probs = torch.zeros(features.shape[0], self.vocab_size).index_copy_(1, self.head_ids, subset)
+        return self.head_ids[sample_from(subset, uniforms)], probs
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [n, V]; a reduced head leaves -inf (zero probability) outside V'."""

@@ -101,6 +101,23 @@ def test_reduced_head_gives_zero_probability_outside_its_vocabulary(feature_pair
     assert probs[:, outside].sum() == 0 and torch.allclose(probs.sum(-1), torch.ones(3))
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
+                                    SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)],
+                         ids=["greedy", "topk-topp", "plain", "topp"])
+def test_sampling_over_the_reduced_head_draws_what_the_full_vocabulary_would(feature_pair, params):
+    """`_sample` works on V' alone; it must pick the very token (and give the same probabilities)
+    as sampling the full-vocabulary logits with -inf outside V'."""
+    from engine.sampling import logits_to_probs, sample_from
+
+    drafter = feature_pair.make_drafter("model")
+    features = torch.randn(64, feature_pair.target_model.config.hidden_size)
+    uniforms = torch.rand(64, generator=torch.Generator().manual_seed(1))
+    tokens, probs = drafter._sample(features, params, uniforms)
+    full = logits_to_probs(drafter._logits(features), params)
+    assert tokens.tolist() == sample_from(full, uniforms).tolist()
+    torch.testing.assert_close(probs, full, rtol=1e-5, atol=1e-7)
+
+
 def test_sps_with_a_reduced_head_draft_samples_the_target_distribution(feature_pair):
     """SpS stays exact although the draft puts zero mass outside V' (first token over many seeds)."""
     from tests.stats import matches
