@@ -243,7 +243,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help=f"comma list of {', '.join(DECODE_METHODS + (SSD_METHOD,))}")
     ap.add_argument("--peers", default="hf-ar",
                     help="comma list of hf-ar, hf-assisted, llama.cpp (needs llama-cpp-python) ('' for none)")
-    add_spec_arguments(ap, k_sweep=True)
+    # The sampling every default-pair number is reported at (the draft issue's setting), so that a
+    # command copied from a model card reproduces its numbers without extra flags.
+    add_spec_arguments(ap, k_sweep=True, top_p=0.95, top_k=20)
     ssd = ap.add_argument_group("SSD (method ssd)")
     ssd.add_argument("--devices", default="", help="target=<dev>,draft=<dev> with dev cpu:N, cpu:N-M or cuda:N "
                      "(default: the draft gets the last core, the target the others)")

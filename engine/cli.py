@@ -18,9 +18,9 @@ def add_spec_arguments(ap: argparse.ArgumentParser, *, temperature: float = 0.6,
     ap.add_argument("--delta", type=float, default=1.0, help="Cactus KL budget δ (nats; 0 = SpS)")
     ap.add_argument("--posterior-threshold", type=float, default=0.09, help="TAS ε")
     ap.add_argument("--posterior-alpha", type=float, default=0.3, help="TAS α")
-    ap.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=top_p)
-    ap.add_argument("--top-k", type=int, default=top_k, help="0 = off")
+    ap.add_argument("--temperature", type=float, default=temperature, help=f"0 = greedy (default {temperature})")
+    ap.add_argument("--top-p", type=float, default=top_p, help=f"nucleus mass, 1 = off (default {top_p})")
+    ap.add_argument("--top-k", type=int, default=top_k, help=f"0 = off (default {top_k})")
     ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     ap.add_argument("--seed", type=int, default=0)
 
