@@ -45,6 +45,17 @@ def test_f16_linear_matches_fp16_weights_and_rows_are_independent():
 
 
 @native
+@pytest.mark.parametrize("m, k, n", [(1, 40, 32), (31, 600, 48), (64, 96, 70)])
+def test_f16_linear_wide_matches_fp16_weights(m, k, n):
+    """The prefill GEMM: 6-row tiles, 256-wide k blocks, and N = 70 (not a multiple of its
+    16-channel panels) falling back to f16_linear."""
+    weight = (torch.randn(n, k) * 0.05).half()
+    x = torch.randn(m, k)
+    y = cpu_kernels.f16_linear_wide(x, cpu_kernels.pad_to_group(weight.float()).half())
+    torch.testing.assert_close(y, x @ weight.float().T, atol=1e-5, rtol=1e-5)
+
+
+@native
 def test_q8_linear_torch_fallback_computes_the_same_product(monkeypatch):
     q, scales = cpu_kernels.quantize_q8(torch.randn(64, 96))
     x = torch.randn(3, 96)
@@ -109,6 +120,22 @@ def test_verification_is_bit_identical_to_decoding(tiny_pair, weight_dtype):
     lm.rollback(len(prompt))
     one_by_one = torch.cat([lm.forward([t]) for t in (11, 12, 13, 14, 15)])
     assert torch.equal(together, one_by_one)
+
+
+@native
+def test_only_a_long_prefill_into_an_empty_cache_takes_the_wide_gemm(tiny_pair):
+    """A prompt of >= WIDE_MIN_ROWS tokens prefilled at once runs f16_linear_wide: its hidden
+    states agree with a prefill split at token 1 (batch-invariant f16_linear for the rest) to
+    float32 rounding, but not bit for bit -- the sign that the wide path ran."""
+    prompt = tiny_pair.encode_prompt("Bit for bit")
+    assert len(prompt) > cpu_kernels.WIDE_MIN_ROWS
+    lm = FastLlamaCausalLM(tiny_pair.target_model, "wide", tiny_pair.vocab_size, weight_dtype="float16")
+    whole = lm.forward(prompt, last_n=len(prompt))[1:]
+    lm.reset()
+    lm.forward(prompt[:1])
+    split = lm.forward(prompt[1:], last_n=len(prompt) - 1)
+    torch.testing.assert_close(whole, split, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(whole, split)
 
 
 @native

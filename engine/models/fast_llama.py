@@ -115,14 +115,15 @@ class PackedLinear:
         else:
             raise ValueError(f"unknown weight_dtype {dtype!r}; expected one of {', '.join(WEIGHT_DTYPES)}")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
+        """`prefill`: rows need not be batch-invariant (see cpu_kernels.WIDE_MIN_ROWS)."""
         if self.dtype == "float32":
             if _ONEDNN_FP32:
                 return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
             return F.linear(x, self.weight)
         if self.dtype == "float16":
             if self.native:
-                return cpu_kernels.f16_linear(x, self.weight)
+                return (cpu_kernels.f16_linear_wide if prefill else cpu_kernels.f16_linear)(x, self.weight)
             if _FBGEMM_FP16:
                 return torch.ops.quantized.linear_dynamic_fp16(x, self.weight)
             return F.linear(x.half(), self.weight).float()
@@ -343,13 +344,14 @@ class FastLlamaCausalLM(CausalLM):
         else:
             rope, pos, mask = tree
         glue = _glue()
+        wide = tree is None and pos == 0 and n >= cpu_kernels.WIDE_MIN_ROWS
         if glue is cpu_kernels and w.native_decoder is not None:
-            return w.native_decoder(x, rope, self.k, self.v, pos, mask)
+            return w.native_decoder(x, rope, self.k, self.v, pos, mask, wide)
         h = glue.add_rms_norm(x, None, w.layers[0].input_norm, w.eps)
         for i, layer in enumerate(w.layers):
-            attn = glue.attention(layer.qkv(h), rope, self.k[i], self.v[i], pos, mask, w.n_heads, w.n_kv_heads)
-            h = glue.add_rms_norm(x, layer.o(attn), layer.post_norm, w.eps)
-            out = layer.down(glue.silu_mul(layer.gate_up(h)))
+            attn = glue.attention(layer.qkv(h, wide), rope, self.k[i], self.v[i], pos, mask, w.n_heads, w.n_kv_heads)
+            h = glue.add_rms_norm(x, layer.o(attn, wide), layer.post_norm, w.eps)
+            out = layer.down(glue.silu_mul(layer.gate_up(h, wide)), wide)
             h = glue.add_rms_norm(x, out, w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.norm, w.eps)
         return h
 
