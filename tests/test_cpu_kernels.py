@@ -45,14 +45,21 @@ def test_f16_linear_matches_fp16_weights_and_rows_are_independent():
 
 
 @native
+@pytest.mark.parametrize("weight_dtype", ["float16", "int8"])
 @pytest.mark.parametrize("m, k, n", [(1, 40, 32), (31, 600, 48), (64, 96, 70)])
-def test_f16_linear_wide_matches_fp16_weights(m, k, n):
+def test_linear_wide_matches_the_stored_weights(m, k, n, weight_dtype):
     """The prefill GEMM: 6-row tiles, 256-wide k blocks, and N = 70 (not a multiple of its
-    16-channel panels) falling back to f16_linear."""
-    weight = (torch.randn(n, k) * 0.05).half()
+    16-channel panels) falling back to the batch-invariant kernels."""
+    weight = torch.randn(n, k) * 0.05
     x = torch.randn(m, k)
-    y = cpu_kernels.f16_linear_wide(x, cpu_kernels.pad_to_group(weight.float()).half())
-    torch.testing.assert_close(y, x @ weight.float().T, atol=1e-5, rtol=1e-5)
+    if weight_dtype == "int8":
+        q, scales = cpu_kernels.quantize_q8(weight)
+        y, stored = cpu_kernels.linear_wide(x, q, scales), cpu_kernels.dequantize_q8(q, scales)[:, :k]
+        tol = 1e-4 if n % cpu_kernels.PANEL == 0 else 1e-2  # the fallback quantizes activations to int16
+    else:
+        stored = weight.half().float()
+        y, tol = cpu_kernels.linear_wide(x, cpu_kernels.pad_to_group(weight).half()), 1e-5
+    torch.testing.assert_close(y, x @ stored.T, atol=tol, rtol=tol)
 
 
 @native
@@ -123,18 +130,21 @@ def test_verification_is_bit_identical_to_decoding(tiny_pair, weight_dtype):
 
 
 @native
-def test_only_a_long_prefill_into_an_empty_cache_takes_the_wide_gemm(tiny_pair):
-    """A prompt of >= WIDE_MIN_ROWS tokens prefilled at once runs f16_linear_wide: its hidden
+@pytest.mark.parametrize("weight_dtype", ["float16", "int8"])
+def test_only_a_long_prefill_into_an_empty_cache_takes_the_wide_gemm(tiny_pair, weight_dtype):
+    """A prompt of >= WIDE_MIN_ROWS tokens prefilled at once runs linear_wide: its hidden
     states agree with a prefill split at token 1 (batch-invariant f16_linear for the rest) to
-    float32 rounding, but not bit for bit -- the sign that the wide path ran."""
+    float32 rounding (int8: to the activations' int16 rounding), but not bit for bit -- the sign
+    that the wide path ran."""
     prompt = tiny_pair.encode_prompt("Bit for bit")
     assert len(prompt) > cpu_kernels.WIDE_MIN_ROWS
-    lm = FastLlamaCausalLM(tiny_pair.target_model, "wide", tiny_pair.vocab_size, weight_dtype="float16")
+    lm = FastLlamaCausalLM(tiny_pair.target_model, "wide", tiny_pair.vocab_size, weight_dtype=weight_dtype)
     whole = lm.forward(prompt, last_n=len(prompt))[1:]
     lm.reset()
     lm.forward(prompt[:1])
     split = lm.forward(prompt[1:], last_n=len(prompt) - 1)
-    torch.testing.assert_close(whole, split, atol=1e-4, rtol=1e-4)
+    tol = 1e-4 if weight_dtype == "float16" else 2e-2
+    torch.testing.assert_close(whole, split, atol=tol, rtol=tol)
     assert not torch.equal(whole, split)
 
 

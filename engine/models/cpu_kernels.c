@@ -6,8 +6,8 @@
 //               per row and group, exact integer group sums;
 //   f16_linear  fp16 weights, fp32 activations and accumulation.
 // In both a row's output does not depend on which other rows share the call (verification is
-// bit-identical to decoding one token at a time). f16_linear_wide, for long prefills only, gives
-// that up for a compute-bound register-blocked GEMM. Then the glue between the GEMMs (add+RMSNorm,
+// bit-identical to decoding one token at a time). linear_wide, for long prefills only, gives that
+// up for a compute-bound register-blocked GEMM. Then the glue between the GEMMs (add+RMSNorm,
 // SiLU*mul, RoPE + KV cache + grouped-query attention) and decoder_forward, the whole layer
 // stack in one call.
 #include <immintrin.h>
@@ -134,39 +134,55 @@ void f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t
     }
 }
 
-// f16_linear_wide: the same product for prefills, where rows need not match a one-row decode.
-// A prompt's rows make the GEMM compute-bound, and f16_linear re-converts every fp16 weight for
-// each tile of 5 rows. Here each thread converts a block of 16 channels x 256 k once into an fp32
-// [k][16] panel (F16C + an 8x8 transpose), then a 6-row x 16-channel register block (12
-// accumulators) broadcasts x and streams the panel: 12 FMAs per 2 panel loads, the classic
-// BLIS micro-kernel shape. Measured on the default target's layer GEMMs (2 threads): 4.2 ->
-// 3.4 ms per row at 40 rows, 4.1 -> 3.1 at 100. Sums run in another order than f16_linear's (k
-// blocked), so results differ in the last bits. Needs N % 16 == 0 and K % 8 == 0.
+// linear_wide: the same products for prefills, where rows need not match a one-row decode.
+// A prompt's rows make the GEMM compute-bound, and the kernels above re-convert every weight for
+// each tile of rows. Here each thread converts a block of 16 channels x 256 k once into an fp32
+// [k][16] panel (F16C, or int8 x its group scale; then an 8x8 transpose), and a 6-row x
+// 16-channel register block (12 accumulators) broadcasts x and streams the panel: 12 FMAs per 2
+// panel loads, the classic BLIS micro-kernel shape. int8 weights meet float32 activations here
+// (no activation quantization). Measured on the default target's float16 layer GEMMs (2
+// threads): 4.2 -> 3.4 ms per row at 40 rows, 4.1 -> 3.1 at 100. Sums run in another order than
+// the batch-invariant kernels' (k blocked), so results differ in the last bits. Needs N % 16 == 0.
 #define PANEL_N 16
 #define PANEL_K 256
 #define WIDE_ROWS 6
 
-static void pack_panel(const uint16_t *w, int64_t K, int64_t kn, float *panel) {
+// Store r[i] = 8 k values of channel c0 + i as panel rows k..k+7 (an 8x8 transpose).
+static inline void store_transposed(__m256 r[8], float *p) {
+    __m256 t[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {  // r[0..3] now hold k 0-3 | 4-7 of channels 0-3, r[4..7] of 4-7
+        _mm256_store_ps(p + i * PANEL_N, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_store_ps(p + (i + 4) * PANEL_N, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+
+// Panel of channels n0..n0+15, k0..k0+kn-1 (k0 and kn multiples of 8) as fp32 [kn][16].
+static void pack_panel(const void *w, const float *scales, int format, int64_t K, int64_t n0, int64_t k0,
+                       int64_t kn, float *panel) {
     for (int c0 = 0; c0 < PANEL_N; c0 += 8) {
         for (int64_t k = 0; k < kn; k += 8) {
-            __m256 r[8], t[8];
-            for (int i = 0; i < 8; i++)
-                r[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + (c0 + i) * K + k)));
-            for (int i = 0; i < 8; i += 2) {
-                t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-                t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) {
+                const int64_t row = n0 + c0 + i, at = row * K + k0 + k;
+                if (format == 0) {
+                    const __m128i q = _mm_loadl_epi64((const __m128i *)((const int8_t *)w + at));
+                    r[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                                         _mm256_set1_ps(scales[row * (K / GROUP) + (k0 + k) / GROUP]));
+                } else {
+                    r[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + at)));
+                }
             }
-            for (int i = 0; i < 8; i += 4) {
-                r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-                r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-                r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-                r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-            }
-            float *p = panel + k * PANEL_N + c0;  // r[0..3] hold k 0-3 | 4-7 of channels 0-3, r[4..7] of 4-7
-            for (int i = 0; i < 4; i++) {
-                _mm256_store_ps(p + i * PANEL_N, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-                _mm256_store_ps(p + (i + 4) * PANEL_N, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-            }
+            store_transposed(r, panel + k * PANEL_N + c0);
         }
     }
 }
@@ -192,7 +208,9 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
     }
 }
 
-void f16_linear_wide(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y) {
+// x [M, K] float32, w [N, K] (format 0: int8 with scales [N, K/32]; 1: fp16), y [M, N]; K % 32 == 0.
+void linear_wide(const float *x, int64_t M, int64_t K, const void *w, const float *scales, int format, int64_t N,
+                 float *y) {
     #pragma omp parallel
     {
         float *panel = aligned_alloc(32, PANEL_K * PANEL_N * sizeof(float));
@@ -200,7 +218,7 @@ void f16_linear_wide(const float *x, int64_t M, int64_t K, const uint16_t *w, in
         for (int64_t n0 = 0; n0 < N; n0 += PANEL_N) {
             for (int64_t k0 = 0; k0 < K; k0 += PANEL_K) {
                 const int64_t kn = K - k0 < PANEL_K ? K - k0 : PANEL_K;
-                pack_panel(w + n0 * K + k0, K, kn, panel);
+                pack_panel(w, scales, format, K, n0, k0, kn, panel);
                 for (int64_t m0 = 0; m0 < M; m0 += WIDE_ROWS) {
                     const float *xm = x + m0 * K + k0;
                     float *ym = y + m0 * N + n0;
@@ -395,14 +413,14 @@ typedef struct {
 
 static void decoder_linear(const Decoder *d, const void *w, const float *s, const float *x, int64_t n, int64_t K,
                            int64_t N, float *y, int wide) {
-    if (d->format == 0) q8_linear(x, n, K, w, s, N, y);
-    else if (wide && N % PANEL_N == 0) f16_linear_wide(x, n, K, w, N, y);
+    if (wide && N % PANEL_N == 0) linear_wide(x, n, K, w, s, (int)d->format, N, y);
+    else if (d->format == 0) q8_linear(x, n, K, w, s, N, y);
     else f16_linear(x, n, K, w, N, y);
 }
 
 // x [n, hidden]: input vectors, consumed as the residual stream; out [n, hidden]: final-norm
 // hidden states. Caches [layers, kv_heads, cap, head_dim]; rope, slot and mask as in attention().
-// wide: the fp16 GEMMs take f16_linear_wide (a long prefill; the caller decides, cpu_kernels.py).
+// wide: the GEMMs take linear_wide (a long prefill; the caller decides, cpu_kernels.py).
 void decoder_forward(const Decoder *d, float *x, int64_t n, float *k_cache, float *v_cache, int64_t cap,
                      const float *rope, int64_t slot, const float *mask, int wide, float *out) {
     const int64_t H = d->hidden, A = d->heads * d->head_dim, QKV = (d->heads + 2 * d->kv_heads) * d->head_dim;

@@ -27,12 +27,12 @@ import torch.nn.functional as F
 from engine.models.cache_dir import cache_root
 
 GROUP = 32  # int8 quantization group along the input dimension, as in cpu_kernels.c
-# A prefill of at least this many rows into an empty cache runs its float16 GEMMs through
-# `f16_linear_wide` (faster from about 20 rows on). Every engine prefills a prompt that way, so
+# A prefill of at least this many rows into an empty cache runs its GEMMs through `linear_wide`
+# (faster from about 20 rows on). Every engine prefills a prompt that way, so
 # AR, SpS and SSD still share the prompt's KV cache bit for bit; everything after the prefill
 # (decoding, verification, trees) keeps `f16_linear`'s batch-invariant rows.
 WIDE_MIN_ROWS = 24
-PANEL = 16  # f16_linear_wide works on panels of 16 output channels
+PANEL = 16  # linear_wide works on panels of 16 output channels
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 
@@ -85,7 +85,7 @@ def _library() -> ctypes.CDLL | None:
     signatures = {
         "q8_linear": [ptr, i64, i64, ptr, ptr, i64, ptr],
         "f16_linear": [ptr, i64, i64, ptr, i64, ptr],
-        "f16_linear_wide": [ptr, i64, i64, ptr, i64, ptr],
+        "linear_wide": [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr],
         "add_rms_norm": [ptr, ptr, ptr, f32, ptr, i64, i64],
         "silu_mul": [ptr, ptr, i64, i64],
         "attention": [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr],
@@ -163,15 +163,18 @@ def f16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def f16_linear_wide(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`f16_linear` for prefills: compute-bound, so weights are converted once per panel of 16
-    channels and a 6 x 16 register block runs at most of the FMA peak. Rows are not
-    batch-invariant (the sums run k-blocked), so it is only for prefills (`WIDE_MIN_ROWS`)."""
+def linear_wide(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """`f16_linear` (scales None) or `q8_linear` for prefills: compute-bound, so each panel of 16
+    channels is converted to float32 once and a 6 x 16 register block runs near the FMA peak (int8
+    weights then meet float32 activations). Rows are not batch-invariant (the sums run k-blocked),
+    so it is for prefills only (`WIDE_MIN_ROWS`)."""
     if weight.shape[0] % PANEL:
-        return f16_linear(x, weight)
+        return f16_linear(x, weight) if scales is None else q8_linear(x, weight, scales)
     x = pad_to_group(x.float()).contiguous()
     y = torch.empty(x.shape[0], weight.shape[0])
-    _library().f16_linear_wide(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], y.data_ptr())
+    _library().linear_wide(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
+                           None if scales is None else scales.data_ptr(), 1 if scales is None else 0,
+                           weight.shape[0], y.data_ptr())
     return y
 
 
@@ -242,7 +245,7 @@ class NativeDecoder:
                  mask: torch.Tensor | None, wide: bool = False) -> torch.Tensor:
         """x [n, hidden] (consumed: the residual stream) at cache slots [slot, slot+n) -> final-norm
         hidden states [n, hidden]; caches [layers, kv_heads, cap, head_dim]; rope and mask as `attention`;
-        wide: a prefill whose float16 GEMMs may use `f16_linear_wide`."""
+        wide: a prefill whose GEMMs may use `linear_wide`."""
         x = x.contiguous()
         out = torch.empty_like(x)
         rope, mask = rope.contiguous(), None if mask is None else mask.contiguous()  # kept alive across the call

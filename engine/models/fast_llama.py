@@ -123,12 +123,14 @@ class PackedLinear:
             return F.linear(x, self.weight)
         if self.dtype == "float16":
             if self.native:
-                return (cpu_kernels.f16_linear_wide if prefill else cpu_kernels.f16_linear)(x, self.weight)
+                return cpu_kernels.linear_wide(x, self.weight) if prefill else cpu_kernels.f16_linear(x, self.weight)
             if _FBGEMM_FP16:
                 return torch.ops.quantized.linear_dynamic_fp16(x, self.weight)
             return F.linear(x.half(), self.weight).float()
         if self.dtype == "bfloat16":
             return F.linear(x.to(torch.bfloat16), self.weight).float()
+        if prefill and self.native:
+            return cpu_kernels.linear_wide(x, self.weight, self.scales)
         return cpu_kernels.q8_linear(x, self.weight, self.scales)
 
 
