@@ -5,6 +5,9 @@
 Speed: after a chat prompt is prefilled, each round times one 1-token forward (AR decode) and
 one 5-token forward (verifying 4 drafts + bonus), rolling back after each; backends are
 interleaved round by round so background load hits them alike; medians are reported.
+Prefill: a prompt of 30 / 60 / 120 tokens into an empty cache, with the prefill GEMM
+(`cpu_kernels.linear_wide`, the default from `WIDE_MIN_ROWS` rows) and with the batch-invariant
+decode kernels, interleaved; float16 and int8 (the native formats).
 Quality: each weight format is teacher-forced along fast-float32's greedy continuation of a few
 prompts; we report top-1 agreement with float32 and the mean KL(float32 || format) per position.
 """
@@ -18,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.models import HFCausalLM, load_pair
+from engine.models import HFCausalLM, cpu_kernels, load_pair
 from engine.models.fast_llama import WEIGHT_DTYPES, FastLlamaCausalLM
 
 PROMPTS = (
@@ -52,6 +55,28 @@ def measure_speed(pair, backends, reps: int) -> dict[str, tuple[float, float]]:
                 times[b][n].append(time.perf_counter() - start)
                 lm.rollback(len(prompt))
     return {b: (statistics.median(t[1]) * 1e3, statistics.median(t[5]) * 1e3) for b, t in times.items()}
+
+
+def measure_prefill(pair, formats, reps: int, lengths=(30, 60, 120)) -> dict[tuple[str, int], tuple[float, float]]:
+    """(format, prompt length) -> median ms of (prefill GEMM, decode kernels) for one prefill."""
+    out = {}
+    default = cpu_kernels.WIDE_MIN_ROWS
+    try:
+        for f in formats:
+            lm = _make(pair, f)
+            for n in lengths:
+                prompt, times = list(range(1000, 1000 + n)), {default: [], n + 1: []}
+                for _ in range(reps):
+                    for threshold, ts in times.items():  # n + 1: this prompt is too short for the wide GEMM
+                        cpu_kernels.WIDE_MIN_ROWS = threshold
+                        lm.reset()
+                        start = time.perf_counter()
+                        lm.forward(prompt)
+                        ts.append(time.perf_counter() - start)
+                out[f, n] = tuple(statistics.median(times[t]) * 1e3 for t in (default, n + 1))
+    finally:
+        cpu_kernels.WIDE_MIN_ROWS = default
+    return out
 
 
 def _greedy(lm, prompt, steps):
@@ -100,6 +125,14 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for b, (one, five) in speed.items():
         print(f"| {b} | {one:.1f} | {five:.1f} | {five / one:.2f} | {base / one:.2f}x |")
+
+    native = [f for f in formats if f in ("float16", "int8")]
+    if native and cpu_kernels.available():
+        print("\n| format | prompt tokens | prefill, wide GEMM (ms) | prefill, decode kernels (ms) | speed-up |")
+        print("|---|---|---|---|---|")
+        for (f, n), (wide, exact) in measure_prefill(pair, native, max(3, args.reps // 3)).items():
+            print(f"| {f} | {n} | {wide:.1f} ({wide / n:.2f}/token) | {exact:.1f} ({exact / n:.2f}/token) | "
+                  f"{exact / wide:.2f}x |")
 
     if not args.no_quality:
         lower = [f for f in formats if f != "float32"]
