@@ -28,9 +28,9 @@ from engine.models.cache_dir import cache_root
 
 GROUP = 32  # int8 quantization group along the input dimension, as in cpu_kernels.c
 # A prefill of at least this many rows into an empty cache runs its GEMMs through `linear_wide`
-# (faster from about 20 rows on). Every engine prefills a prompt that way, so
-# AR, SpS and SSD still share the prompt's KV cache bit for bit; everything after the prefill
-# (decoding, verification, trees) keeps `f16_linear`'s batch-invariant rows.
+# (faster from about 20 rows on). Every engine prefills a prompt that way, so AR, SpS and SSD
+# still share the prompt's KV cache bit for bit; everything after the prefill (decoding,
+# verification, trees) keeps the batch-invariant kernels (`f16_linear`, `q8_linear`).
 WIDE_MIN_ROWS = 24
 PANEL = 16  # linear_wide works on panels of 16 output channels
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
