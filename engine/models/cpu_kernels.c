@@ -142,7 +142,7 @@ void f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t
 // panel loads, the classic BLIS micro-kernel shape. int8 weights meet float32 activations here
 // (no activation quantization). Measured on the default target's float16 layer GEMMs (2
 // threads): 4.2 -> 3.4 ms per row at 40 rows, 4.1 -> 3.1 at 100. Sums run in another order than
-// the batch-invariant kernels' (k blocked), so results differ in the last bits. Needs N % 16 == 0.
+// the batch-invariant kernels' (k blocked), so results differ in the last bits.
 #define PANEL_N 16
 #define PANEL_K 256
 #define WIDE_ROWS 6
@@ -209,8 +209,14 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
 }
 
 // x [M, K] float32, w [N, K] (format 0: int8 with scales [N, K/32]; 1: fp16), y [M, N]; K % 32 == 0.
+// N not a multiple of the panel width falls back to the batch-invariant kernel of the format.
 void linear_wide(const float *x, int64_t M, int64_t K, const void *w, const float *scales, int format, int64_t N,
                  float *y) {
+    if (N % PANEL_N) {
+        if (format == 0) q8_linear(x, M, K, w, scales, N, y);
+        else f16_linear(x, M, K, w, N, y);
+        return;
+    }
     #pragma omp parallel
     {
         float *panel = aligned_alloc(32, PANEL_K * PANEL_N * sizeof(float));
@@ -413,7 +419,7 @@ typedef struct {
 
 static void decoder_linear(const Decoder *d, const void *w, const float *s, const float *x, int64_t n, int64_t K,
                            int64_t N, float *y, int wide) {
-    if (wide && N % PANEL_N == 0) linear_wide(x, n, K, w, s, (int)d->format, N, y);
+    if (wide) linear_wide(x, n, K, w, s, (int)d->format, N, y);
     else if (d->format == 0) q8_linear(x, n, K, w, s, N, y);
     else f16_linear(x, n, K, w, N, y);
 }

@@ -32,7 +32,6 @@ GROUP = 32  # int8 quantization group along the input dimension, as in cpu_kerne
 # still share the prompt's KV cache bit for bit; everything after the prefill (decoding,
 # verification, trees) keeps the batch-invariant kernels (`f16_linear`, `q8_linear`).
 WIDE_MIN_ROWS = 24
-PANEL = 16  # linear_wide works on panels of 16 output channels
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 
@@ -168,8 +167,6 @@ def linear_wide(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | No
     channels is converted to float32 once and a 6 x 16 register block runs near the FMA peak (int8
     weights then meet float32 activations). Rows are not batch-invariant (the sums run k-blocked),
     so it is for prefills only (`WIDE_MIN_ROWS`)."""
-    if weight.shape[0] % PANEL:
-        return f16_linear(x, weight) if scales is None else q8_linear(x, weight, scales)
     x = pad_to_group(x.float()).contiguous()
     y = torch.empty(x.shape[0], weight.shape[0])
     _library().linear_wide(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),

@@ -92,9 +92,10 @@ class PackedLinear:
     float16  fp16 weights, fp32 activations and accumulation: our F16C kernel (cpu_kernels.c)
              where it built, else fbgemm's fp16 weight-only GEMM.
     bfloat16 F.linear on bf16 activations and weights (fast only where the CPU has bf16 units).
-    int8     llama.cpp's Q8_0 x Q8_0: int8 weights and int8 activations (per row, per group of 32,
-             so a row's result never depends on the other rows), integer dot products on our
-             AVX2 kernel (cpu_kernels.c), float32 accumulation across groups.
+    int8     llama.cpp's Q8_0 weights (int8 per group of 32) x int16 activations (per row and
+             group, so a row's result never depends on the other rows), exact integer group sums
+             on our AVX2 kernel (cpu_kernels.c), float32 accumulation across groups.
+    A prefill (`prefill=True`) runs float16 and int8 through `cpu_kernels.linear_wide` instead.
     """
 
     def __init__(self, weight: torch.Tensor, dtype: str) -> None:
