@@ -35,17 +35,23 @@ def test_q8_linear_matches_dequantized_weights_and_rows_are_independent(n, k):
 
 
 @native
-def test_f16_linear_matches_fp16_weights_and_rows_are_independent():
-    weight = (torch.randn(70, 40) * 0.05).half()  # K = 40: padded to 64
-    x = torch.randn(7, 40)
-    y = cpu_kernels.f16_linear(x, cpu_kernels.pad_to_group(weight.float()).half())
-    torch.testing.assert_close(y, x @ weight.float().T, atol=1e-5, rtol=1e-5)
-    for i in (0, 4, 6):  # tiles of 5 rows; each row sums its k-lanes the same way regardless
-        assert torch.equal(cpu_kernels.f16_linear(x[i:i + 1], cpu_kernels.pad_to_group(weight.float()).half())[0], y[i])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(70, 40), (96, 64)])  # N = 70: a zero-padded last panel; K = 40: padded to 64
+def test_f16_linear_matches_16_bit_weights_and_rows_are_independent(n, k, dtype):
+    weight = torch.randn(n, k) * 0.05
+    panels = cpu_kernels.pack_panels(weight, dtype)
+    x = torch.randn(11, k)  # tiles of 1-3 panels and of up to 5 rows, split evenly (11 = 4 + 4 + 3)
+    y = cpu_kernels.f16_linear(x, panels, n)
+    torch.testing.assert_close(y, x @ weight.to(dtype).float().T, atol=1e-5, rtol=1e-5)
+    # Each (row, channel) is one fp32 chain over k, whatever the tile: verification == decoding.
+    for m in range(1, 11):
+        assert torch.equal(cpu_kernels.f16_linear(x[:m], panels, n), y[:m])
+    for i in (0, 4, 10):
+        assert torch.equal(cpu_kernels.f16_linear(x[i:i + 1], panels, n)[0], y[i])
 
 
 @native
-@pytest.mark.parametrize("weight_dtype", ["float16", "int8"])
+@pytest.mark.parametrize("weight_dtype", ["float16", "bfloat16", "int8"])
 @pytest.mark.parametrize("m, k, n", [(1, 40, 32), (31, 600, 48), (64, 96, 70)])
 def test_linear_wide_matches_the_stored_weights(m, k, n, weight_dtype):
     """The prefill GEMM: 6-row tiles, 256-wide k blocks, and N = 70 (not a multiple of its
@@ -54,11 +60,12 @@ def test_linear_wide_matches_the_stored_weights(m, k, n, weight_dtype):
     x = torch.randn(m, k)
     if weight_dtype == "int8":
         q, scales = cpu_kernels.quantize_q8(weight)
-        y, stored = cpu_kernels.linear_wide(x, q, scales), cpu_kernels.dequantize_q8(q, scales)[:, :k]
+        y, stored = cpu_kernels.linear_wide(x, q, n, scales), cpu_kernels.dequantize_q8(q, scales)[:, :k]
         tol = 1e-4 if n % 16 == 0 else 1e-2  # the fallback (N = 70) quantizes activations to int16
     else:
-        stored = weight.half().float()
-        y, tol = cpu_kernels.linear_wide(x, cpu_kernels.pad_to_group(weight).half()), 1e-5
+        dtype = getattr(torch, weight_dtype)
+        stored = weight.to(dtype).float()
+        y, tol = cpu_kernels.linear_wide(x, cpu_kernels.pack_panels(weight, dtype), n), 1e-5
     torch.testing.assert_close(y, x @ stored.T, atol=tol, rtol=tol)
 
 
@@ -116,7 +123,7 @@ def test_native_and_torch_glue_give_the_same_float32_model(tiny_pair, monkeypatc
 
 
 @native
-@pytest.mark.parametrize("weight_dtype", ["int8", "float16"])
+@pytest.mark.parametrize("weight_dtype", ["int8", "float16", "bfloat16"])
 def test_verification_is_bit_identical_to_decoding(tiny_pair, weight_dtype):
     """Why greedy SpS equals AR exactly on the native formats: the logits of a token do not depend
     on how many tokens share its forward (no batch-dependent scales or summation orders)."""
@@ -130,12 +137,13 @@ def test_verification_is_bit_identical_to_decoding(tiny_pair, weight_dtype):
 
 
 @native
-@pytest.mark.parametrize("weight_dtype", ["float16", "int8"])
-def test_only_a_long_prefill_into_an_empty_cache_takes_the_wide_gemm(tiny_pair, weight_dtype):
-    """A prompt of >= WIDE_MIN_ROWS tokens prefilled at once runs linear_wide: its hidden
-    states agree with a prefill split at token 1 (batch-invariant f16_linear for the rest) to
-    float32 rounding (int8: to the activations' int16 rounding), but not bit for bit -- the sign
-    that the wide path ran."""
+@pytest.mark.parametrize("weight_dtype", ["float16", "bfloat16", "int8"])
+def test_a_long_prefill_into_an_empty_cache_takes_the_wide_gemm(tiny_pair, weight_dtype):
+    """A prompt of >= WIDE_MIN_ROWS tokens prefilled at once runs linear_wide; compare a prefill
+    split at token 1 (the batch-invariant kernels for the rest). 16-bit weights: the wide GEMM's
+    k blocks continue each (row, channel) chain in the same order, so the two agree bit for bit.
+    int8: the wide GEMM meets float32 activations (q8_linear quantizes them to int16), so the two
+    agree to that rounding but not bit for bit -- the sign that the wide path ran."""
     prompt = tiny_pair.encode_prompt("Bit for bit")
     assert len(prompt) > cpu_kernels.WIDE_MIN_ROWS
     lm = FastLlamaCausalLM(tiny_pair.target_model, "wide", tiny_pair.vocab_size, weight_dtype=weight_dtype)
@@ -143,13 +151,15 @@ def test_only_a_long_prefill_into_an_empty_cache_takes_the_wide_gemm(tiny_pair, 
     lm.reset()
     lm.forward(prompt[:1])
     split = lm.forward(prompt[1:], last_n=len(prompt) - 1)
-    tol = 1e-4 if weight_dtype == "float16" else 2e-2
-    torch.testing.assert_close(whole, split, atol=tol, rtol=tol)
-    assert not torch.equal(whole, split)
+    if weight_dtype == "int8":
+        torch.testing.assert_close(whole, split, atol=2e-2, rtol=2e-2)
+        assert not torch.equal(whole, split)
+    else:
+        assert torch.equal(whole, split)
 
 
 @native
-@pytest.mark.parametrize("weight_dtype", ["int8", "float16"])
+@pytest.mark.parametrize("weight_dtype", ["int8", "float16", "bfloat16"])
 @pytest.mark.parametrize("tree", [False, True])
 def test_native_decoder_is_the_per_op_path_in_one_call(tiny_pair, monkeypatch, tree, weight_dtype):
     """The fused decoder_forward runs the same kernels in the same order as the Python layer loop,

@@ -1,10 +1,10 @@
 // Native CPU kernels for the fast Llama backend (AVX2 + FMA + F16C), loaded by cpu_kernels.py.
 //
-// Small-batch GEMMs (M = 1 to K+1 rows: decoding and verification), each reading an output
-// channel's weight row from memory once and applying it to all rows while it sits in L1:
+// Small-batch GEMMs (M = 1 to K+1 rows: decoding and verification), each reading every weight
+// from memory once per call and applying it to all rows while it sits in registers or L1:
 //   q8_linear   int8 weights in groups of 32 (llama.cpp's Q8_0), activations quantized to int16
 //               per row and group, exact integer group sums;
-//   f16_linear  fp16 weights, fp32 activations and accumulation.
+//   f16_linear  fp16 or bf16 weights in 16-channel panels, fp32 activations and accumulation.
 // In both a row's output does not depend on which other rows share the call (verification is
 // bit-identical to decoding one token at a time). linear_wide, for long prefills only, gives that
 // up for a compute-bound register-blocked GEMM. Then the glue between the GEMMs (add+RMSNorm,
@@ -95,41 +95,82 @@ void q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const floa
     free(xs);
 }
 
-// f16_linear: y[M, N] = x[M, K] @ W[N, K]^T with W stored as IEEE fp16 (converted by F16C on
-// load, accumulated in fp32); K % 32 == 0. Every row keeps two partial sums (even and odd
-// 8-lanes of k), whatever M, so its result is bit-identical however many rows share the call;
-// tiles of up to 5 rows (K+1 of a typical verification) reuse each converted weight vector.
-// Measured on the default target's GEMMs: tiles of 3 rows with 4 partial sums cost 36 ms at 5
-// rows, tiles of 5 with 2 cost 27 ms, at the same 17.5 ms for one row.
-#define F16_TILE 5
-static inline __attribute__((always_inline)) void f16_tile(const float *x, int64_t K, const uint16_t *w, float *y,
-                                                           int64_t N, const int rows) {
-    __m256 acc[F16_TILE][2];
-    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + k)));
-        const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + k + 8)));
-        for (int m = 0; m < rows; m++) {
-            acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), acc[m][1]);
-        }
+// f16_linear: y[M, N] = x[M, K] @ W[N, K]^T for 16-bit float weights stored in panels of 16
+// output channels, k-major: panel[k][16] (pack_f16 / pack_bf16 in cpu_kernels.py). One 32-byte load
+// holds the 16 channels of one input k; they are widened to two fp32 vectors (F16C for fp16; a
+// shift and a mask for bf16, whose pairs pack_bf16 stores interleaved) and multiplied by the
+// broadcast x[m][k]. Every (row, channel) sum is then one sequential fp32 chain over k, the same
+// whatever M or the tile, so a row's result is bit-identical however many rows share the call.
+// Tiles keep at least 6 chains in flight (FMA latency 5): 3 panels for one row, 2 for two, 1 for
+// 3-5 rows. Measured on the default target's GEMMs (2 threads) against the row-major layout with
+// two partial sums per row it replaced: one row 16.8 -> 13.7 ms (the weights stream in order),
+// two rows 18.5 -> 17.2, five 27.4 -> 26.0 (fp16; there F16C costs about two FMAs' issue slots).
+#define PANEL 16
+#define F16_TILE 6
+static inline __attribute__((always_inline)) void panel_load(const uint16_t *p, const int bf16, __m256 *w0, __m256 *w1) {
+    if (bf16) {
+        const __m256i raw = _mm256_load_si256((const __m256i *)p);
+        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+        *w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32((int)0xffff0000u)));
+    } else {
+        *w0 = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)p));
+        *w1 = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(p + 8)));
     }
-    for (int m = 0; m < rows; m++) y[m * N] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
 }
 
-void f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y) {
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t m0 = 0; m0 < M; m0 += F16_TILE) {
-            const float *xm = x + m0 * K;
-            float *ym = y + m0 * N + n;
-            switch (M - m0 < F16_TILE ? M - m0 : F16_TILE) {
-                case 1: f16_tile(xm, K, w + n * K, ym, N, 1); break;
-                case 2: f16_tile(xm, K, w + n * K, ym, N, 2); break;
-                case 3: f16_tile(xm, K, w + n * K, ym, N, 3); break;
-                case 4: f16_tile(xm, K, w + n * K, ym, N, 4); break;
-                default: f16_tile(xm, K, w + n * K, ym, N, 5); break;
+static inline __attribute__((always_inline)) void f16_tile(const float *x, int64_t K, const uint16_t *p, float *y,
+                                                           int64_t ldy, const int rows, const int panels, const int bf16) {
+    __m256 acc[F16_TILE][3][2];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < panels; j++) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        for (int j = 0; j < panels; j++) {
+            __m256 w0, w1;
+            _mm_prefetch((const char *)(p + (j * K + k + 64) * PANEL), _MM_HINT_T0);
+            panel_load(p + (j * K + k) * PANEL, bf16, &w0, &w1);
+            for (int m = 0; m < rows; m++) {
+                const __m256 a = _mm256_broadcast_ss(x + m * K + k);
+                acc[m][j][0] = _mm256_fmadd_ps(a, w0, acc[m][j][0]);
+                acc[m][j][1] = _mm256_fmadd_ps(a, w1, acc[m][j][1]);
             }
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < panels; j++) {
+            _mm256_storeu_ps(y + m * ldy + j * PANEL, acc[m][j][0]);
+            _mm256_storeu_ps(y + m * ldy + j * PANEL + 8, acc[m][j][1]);
+        }
+}
+
+#define F16_CASE(R, P) case R * 4 + P: f16_tile(x, K, p, y, ldy, R, P, bf16); break
+static inline __attribute__((always_inline)) void f16_dispatch(const float *x, int64_t K, const uint16_t *p, float *y,
+                                                               int64_t ldy, int rows, int panels, const int bf16) {
+    switch (rows * 4 + panels) {
+        F16_CASE(1, 1); F16_CASE(1, 2); F16_CASE(1, 3); F16_CASE(2, 1); F16_CASE(2, 2);
+        F16_CASE(3, 1); F16_CASE(4, 1); F16_CASE(5, 1); default: f16_tile(x, K, p, y, ldy, 6, 1, bf16); break;
+    }
+}
+
+// x [M, K] float32, w [ceil(N/16), K, 16] packed fp16 (bf16 = 0) or bf16 (bf16 = 1), y [M, N].
+void f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y, int bf16) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    const int group = M == 1 ? 3 : M == 2 ? 2 : 1;
+    const int64_t tiles = (M + F16_TILE - 1) / F16_TILE;  // rows split evenly: 6 -> 3 + 3, not 5 + 1
+    #pragma omp parallel for schedule(static)
+    for (int64_t p0 = 0; p0 < panels; p0 += group) {
+        const int np = panels - p0 < group ? (int)(panels - p0) : group;
+        const int full = (p0 + np) * PANEL <= N;
+        for (int64_t t = 0, m0 = 0; t < tiles; t++) {
+            const int rows = (int)((M - m0) / (tiles - t));
+            float buf[F16_TILE * 3 * PANEL];
+            float *out = full ? y + m0 * N + p0 * PANEL : buf;
+            const int64_t ldy = full ? N : np * PANEL;
+            if (bf16) f16_dispatch(x + m0 * K, K, w + p0 * K * PANEL, out, ldy, rows, np, 1);
+            else f16_dispatch(x + m0 * K, K, w + p0 * K * PANEL, out, ldy, rows, np, 0);
+            if (!full)  // the last panel is zero-padded past N: keep its real channels only
+                for (int m = 0; m < rows; m++)
+                    memcpy(y + (m0 + m) * N + p0 * PANEL, buf + m * ldy, (N - p0 * PANEL) * sizeof(float));
+            m0 += rows;
         }
     }
 }
@@ -143,7 +184,6 @@ void f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t
 // (no activation quantization). Measured on the default target's float16 layer GEMMs (2
 // threads): 4.2 -> 3.4 ms per row at 40 rows, 4.1 -> 3.1 at 100. Sums run in another order than
 // the batch-invariant kernels' (k blocked), so results differ in the last bits.
-#define PANEL_N 16
 #define PANEL_K 256
 #define WIDE_ROWS 6
 
@@ -161,28 +201,36 @@ static inline void store_transposed(__m256 r[8], float *p) {
         r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
     }
     for (int i = 0; i < 4; i++) {  // r[0..3] now hold k 0-3 | 4-7 of channels 0-3, r[4..7] of 4-7
-        _mm256_store_ps(p + i * PANEL_N, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-        _mm256_store_ps(p + (i + 4) * PANEL_N, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+        _mm256_store_ps(p + i * PANEL, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_store_ps(p + (i + 4) * PANEL, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
     }
 }
 
-// Panel of channels n0..n0+15, k0..k0+kn-1 (k0 and kn multiples of 8) as fp32 [kn][16].
+// Panel of channels n0..n0+15, k0..k0+kn-1 (k0 and kn multiples of 8) as fp32 [kn][16]: int8
+// (format 0, row-major) is scaled and transposed; fp16/bf16 (1, 2) are already panels, only widened.
 static void pack_panel(const void *w, const float *scales, int format, int64_t K, int64_t n0, int64_t k0,
                        int64_t kn, float *panel) {
-    for (int c0 = 0; c0 < PANEL_N; c0 += 8) {
+    if (format != 0) {
+        const uint16_t *p = (const uint16_t *)w + (n0 * K + k0 * PANEL);
+        for (int64_t k = 0; k < kn; k++) {
+            __m256 w0, w1;
+            if (format == 2) panel_load(p + k * PANEL, 1, &w0, &w1);
+            else panel_load(p + k * PANEL, 0, &w0, &w1);
+            _mm256_store_ps(panel + k * PANEL, w0);
+            _mm256_store_ps(panel + k * PANEL + 8, w1);
+        }
+        return;
+    }
+    for (int c0 = 0; c0 < PANEL; c0 += 8) {
         for (int64_t k = 0; k < kn; k += 8) {
             __m256 r[8];
             for (int i = 0; i < 8; i++) {
                 const int64_t row = n0 + c0 + i, at = row * K + k0 + k;
-                if (format == 0) {
-                    const __m128i q = _mm_loadl_epi64((const __m128i *)((const int8_t *)w + at));
-                    r[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
-                                         _mm256_set1_ps(scales[row * (K / GROUP) + (k0 + k) / GROUP]));
-                } else {
-                    r[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + at)));
-                }
+                const __m128i q = _mm_loadl_epi64((const __m128i *)((const int8_t *)w + at));
+                r[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                                     _mm256_set1_ps(scales[row * (K / GROUP) + (k0 + k) / GROUP]));
             }
-            store_transposed(r, panel + k * PANEL_N + c0);
+            store_transposed(r, panel + k * PANEL + c0);
         }
     }
 }
@@ -195,7 +243,7 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
         acc[m][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * N + 8);
     }
     for (int64_t k = 0; k < kn; k++) {
-        const __m256 b0 = _mm256_load_ps(panel + k * PANEL_N), b1 = _mm256_load_ps(panel + k * PANEL_N + 8);
+        const __m256 b0 = _mm256_load_ps(panel + k * PANEL), b1 = _mm256_load_ps(panel + k * PANEL + 8);
         for (int m = 0; m < rows; m++) {
             const __m256 a = _mm256_broadcast_ss(x + m * K + k);
             acc[m][0] = _mm256_fmadd_ps(a, b0, acc[m][0]);
@@ -208,20 +256,21 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
     }
 }
 
-// x [M, K] float32, w [N, K] (format 0: int8 with scales [N, K/32]; 1: fp16), y [M, N]; K % 32 == 0.
-// N not a multiple of the panel width falls back to the batch-invariant kernel of the format.
+// x [M, K] float32, w (format 0: int8 [N, K] with scales [N, K/32]; 1: fp16, 2: bf16 panels as
+// f16_linear), y [M, N]; K % 32 == 0. N not a multiple of the panel width falls back to the
+// batch-invariant kernel of the format.
 void linear_wide(const float *x, int64_t M, int64_t K, const void *w, const float *scales, int format, int64_t N,
                  float *y) {
-    if (N % PANEL_N) {
+    if (N % PANEL) {
         if (format == 0) q8_linear(x, M, K, w, scales, N, y);
-        else f16_linear(x, M, K, w, N, y);
+        else f16_linear(x, M, K, w, N, y, format == 2);
         return;
     }
     #pragma omp parallel
     {
-        float *panel = aligned_alloc(32, PANEL_K * PANEL_N * sizeof(float));
+        float *panel = aligned_alloc(32, PANEL_K * PANEL * sizeof(float));
         #pragma omp for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += PANEL_N) {
+        for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
             for (int64_t k0 = 0; k0 < K; k0 += PANEL_K) {
                 const int64_t kn = K - k0 < PANEL_K ? K - k0 : PANEL_K;
                 pack_panel(w, scales, format, K, n0, k0, kn, panel);
@@ -406,7 +455,7 @@ void attention(const float *qkv, int64_t n, const float *rope, float *kc, float 
 // ---- The whole decoder stack in one call: no Python (or ctypes, or thread wake-up) between ops. ----
 
 // Per-layer weights and norm weights as arrays indexed by layer. format 0: int8 (Q8_0, *_q int8
-// [N, K] with *_s scales [N, K/32]); format 1: fp16 (*_q fp16 [N, K], *_s unused). down's K is
+// [N, K] with *_s scales [N, K/32]); format 1 / 2: fp16 / bf16 (*_q panels as f16_linear, *_s unused). down's K is
 // the MLP width padded to a multiple of 32 (zero columns).
 typedef struct {
     const void *const *qkv_q, *const *o_q, *const *gate_up_q, *const *down_q;
@@ -421,7 +470,7 @@ static void decoder_linear(const Decoder *d, const void *w, const float *s, cons
                            int64_t N, float *y, int wide) {
     if (wide) linear_wide(x, n, K, w, s, (int)d->format, N, y);
     else if (d->format == 0) q8_linear(x, n, K, w, s, N, y);
-    else f16_linear(x, n, K, w, N, y);
+    else f16_linear(x, n, K, w, N, y, d->format == 2);
 }
 
 // x [n, hidden]: input vectors, consumed as the residual stream; out [n, hidden]: final-norm

@@ -89,29 +89,31 @@ class PackedLinear:
     """y = x @ W.T for float32 x [M, in] -> float32 y [M, out], W stored in `dtype`.
 
     float32  oneDNN with a prepacked weight (falls back to F.linear).
-    float16  fp16 weights, fp32 activations and accumulation: our F16C kernel (cpu_kernels.c)
-             where it built, else fbgemm's fp16 weight-only GEMM.
-    bfloat16 F.linear on bf16 activations and weights (fast only where the CPU has bf16 units).
+    float16  fp16 weights, fp32 activations and accumulation: our F16C kernel (cpu_kernels.c) on
+             16-channel panels where it built, else fbgemm's fp16 weight-only GEMM.
+    bfloat16 the same kernel on bf16 panels (widened by a shift, cheaper than F16C here), fp32
+             activations; without the kernels, F.linear in bf16 (fast only on CPUs with bf16 units).
     int8     llama.cpp's Q8_0 weights (int8 per group of 32) x int16 activations (per row and
              group, so a row's result never depends on the other rows), exact integer group sums
              on our AVX2 kernel (cpu_kernels.c), float32 accumulation across groups.
-    A prefill (`prefill=True`) runs float16 and int8 through `cpu_kernels.linear_wide` instead.
+    A prefill (`prefill=True`) runs the native formats through `cpu_kernels.linear_wide` instead.
     """
+
+    _PANEL_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
     def __init__(self, weight: torch.Tensor, dtype: str) -> None:
         self.dtype = dtype
         self.out_features = weight.shape[0]
         self.scales = None  # int8 only
-        # float16 and int8 run on the native kernels where they built (cpu_kernels.c).
-        self.native = dtype in ("float16", "int8") and cpu_kernels.available()
+        # float16, bfloat16 and int8 run on the native kernels where they built (cpu_kernels.c).
+        self.native = dtype in ("float16", "bfloat16", "int8") and cpu_kernels.available()
         weight = weight.detach().float().contiguous()
         if dtype == "float32":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if _ONEDNN_FP32 else weight
+        elif dtype in self._PANEL_DTYPES and self.native:
+            self.weight = cpu_kernels.pack_panels(weight, self._PANEL_DTYPES[dtype])
         elif dtype == "float16":
-            if self.native:
-                self.weight = cpu_kernels.pad_to_group(weight).half().contiguous()
-            else:
-                self.weight = torch.ops.quantized.linear_prepack_fp16(weight, None) if _FBGEMM_FP16 else weight.half()
+            self.weight = torch.ops.quantized.linear_prepack_fp16(weight, None) if _FBGEMM_FP16 else weight.half()
         elif dtype == "bfloat16":
             self.weight = weight.to(torch.bfloat16)
         elif dtype == "int8":
@@ -125,16 +127,18 @@ class PackedLinear:
             if _ONEDNN_FP32:
                 return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
             return F.linear(x, self.weight)
+        if self.native:
+            if prefill:
+                return cpu_kernels.linear_wide(x, self.weight, self.out_features, self.scales)
+            if self.dtype == "int8":
+                return cpu_kernels.q8_linear(x, self.weight, self.scales)
+            return cpu_kernels.f16_linear(x, self.weight, self.out_features)
         if self.dtype == "float16":
-            if self.native:
-                return cpu_kernels.linear_wide(x, self.weight) if prefill else cpu_kernels.f16_linear(x, self.weight)
             if _FBGEMM_FP16:
                 return torch.ops.quantized.linear_dynamic_fp16(x, self.weight)
             return F.linear(x.half(), self.weight).float()
         if self.dtype == "bfloat16":
             return F.linear(x.to(torch.bfloat16), self.weight).float()
-        if prefill and self.native:
-            return cpu_kernels.linear_wide(x, self.weight, self.scales)
         return cpu_kernels.q8_linear(x, self.weight, self.scales)
 
 
