@@ -184,12 +184,13 @@ def test_native_decoder_is_the_per_op_path_in_one_call(tiny_pair, monkeypatch, t
 
 
 @native
-def test_float16_falls_back_to_fbgemm_without_the_native_kernels(monkeypatch):
+@pytest.mark.parametrize("weight_dtype", ["float16", "bfloat16"])
+def test_16_bit_formats_fall_back_to_fbgemm_without_the_native_kernels(monkeypatch, weight_dtype):
     weight, x = torch.randn(96, 64) * 0.05, torch.randn(3, 64)
-    native_linear = fast_llama.PackedLinear(weight, "float16")
+    native_linear = fast_llama.PackedLinear(weight, weight_dtype)
     assert native_linear.native
     expected = native_linear(x)
     monkeypatch.setattr(cpu_kernels, "_library", lambda: None)
-    fallback = fast_llama.PackedLinear(weight, "float16")
+    fallback = fast_llama.PackedLinear(weight, weight_dtype)
     assert not fallback.native
     torch.testing.assert_close(fallback(x), expected, atol=1e-5, rtol=1e-5)

@@ -8,21 +8,22 @@ Why it is faster than `HFCausalLM` on a small, memory-bandwidth-bound CPU:
   it in place and `rollback` only moves the length pointer, so rejected drafts cost nothing.
 * Q/K/V and gate/up projections are fused into one matmul each (fewer, larger kernels).
 * The LM head -- the biggest single matrix -- is applied only to the `last_n` positions asked for.
-* Weights can be stored as float16, bfloat16 or int8: decoding reads every weight once per
+* Weights can be stored as bfloat16, float16 or int8: decoding reads every weight once per
   step, so fewer bytes per weight is most of the speed-up. The residual stream, norms, RoPE,
   attention and the KV cache stay float32 in every mode.
-* float16 and int8 (llama.cpp's Q8_0 layout) run on our own AVX2 kernels (cpu_kernels.c,
-  compiled on first use), and the whole layer stack runs in one native call, so nothing runs
-  in Python between the ops of a step. float16 is the default: fp32 fidelity (KL ~2e-6) at
-  ~5x the transformers backend's decode speed; int8 is ~1.5x faster again at a KL of ~1e-3.
-* float32 (and float16 where the kernels cannot build) runs the layer loop in Python over
-  prepacked GEMMs (oneDNN for fp32, fbgemm for fp16), with the glue between them (add+RMSNorm,
-  RoPE+cache+attention, SiLU*mul) in one native call each where the kernels built, or in
-  torch ops otherwise.
+* bfloat16, float16 and int8 (llama.cpp's Q8_0 layout) run on our own AVX2 kernels
+  (cpu_kernels.c, compiled on first use), and the whole layer stack runs in one native call, so
+  nothing runs in Python between the ops of a step. bfloat16 is the default: the fastest 16-bit
+  format here (widening bf16 is a shift; F16C costs this CPU FMA issue slots), at a KL of ~5e-5
+  against float32 with fp32 activations; float16 gives KL ~2e-6 at ~10% more time per token;
+  int8 is faster at one row but slowest to verify, at a KL of ~1e-3.
+* float32 (and the 16-bit formats where the kernels cannot build) runs the layer loop in Python
+  over prepacked GEMMs (oneDNN for fp32, fbgemm's fp16 for both 16-bit formats), with the glue
+  between them (add+RMSNorm, RoPE+cache+attention, SiLU*mul) in one native call each where the
+  kernels built, or in torch ops otherwise.
 * Verifying K+1 tokens reads each weight once for all rows. On this CPU the native GEMMs are
-  compute-bound beyond one row (on the default target ~2.5 ms per extra row in float16, ~5 ms in
-  int8), so 5 rows cost ~1.6-1.8x one in float16 and ~2.9x in int8; the slower, memory-bound
-  float32 path costs ~1.3x.
+  compute-bound beyond one row, so 5 rows cost ~1.8-1.9x one in the 16-bit formats and ~2.9x in
+  int8; the slower, memory-bound float32 path costs ~1.3x.
 * A long prompt prefilled into an empty cache uses a register-blocked GEMM instead
   (cpu_kernels.linear_wide, 1.15-1.5x faster); it is the one forward whose rows are not
   batch-invariant, and every engine prefills the same way.
@@ -92,7 +93,8 @@ class PackedLinear:
     float16  fp16 weights, fp32 activations and accumulation: our F16C kernel (cpu_kernels.c) on
              16-channel panels where it built, else fbgemm's fp16 weight-only GEMM.
     bfloat16 the same kernel on bf16 panels (widened by a shift, cheaper than F16C here), fp32
-             activations; without the kernels, F.linear in bf16 (fast only on CPUs with bf16 units).
+             activations; without the kernels, the bf16-rounded weights through fbgemm's fp16
+             GEMM (exact for bf16 values in fp16's range), else F.linear in bf16.
     int8     llama.cpp's Q8_0 weights (int8 per group of 32) x int16 activations (per row and
              group, so a row's result never depends on the other rows), exact integer group sums
              on our AVX2 kernel (cpu_kernels.c), float32 accumulation across groups.
@@ -115,7 +117,8 @@ class PackedLinear:
         elif dtype == "float16":
             self.weight = torch.ops.quantized.linear_prepack_fp16(weight, None) if _FBGEMM_FP16 else weight.half()
         elif dtype == "bfloat16":
-            self.weight = weight.to(torch.bfloat16)
+            rounded = weight.to(torch.bfloat16)
+            self.weight = torch.ops.quantized.linear_prepack_fp16(rounded.float(), None) if _FBGEMM_FP16 else rounded
         elif dtype == "int8":
             self.weight, self.scales = cpu_kernels.quantize_q8(weight)
         else:
@@ -133,12 +136,10 @@ class PackedLinear:
             if self.dtype == "int8":
                 return cpu_kernels.q8_linear(x, self.weight, self.scales)
             return cpu_kernels.f16_linear(x, self.weight, self.out_features)
-        if self.dtype == "float16":
+        if self.dtype in self._PANEL_DTYPES:
             if _FBGEMM_FP16:
                 return torch.ops.quantized.linear_dynamic_fp16(x, self.weight)
-            return F.linear(x.half(), self.weight).float()
-        if self.dtype == "bfloat16":
-            return F.linear(x.to(torch.bfloat16), self.weight).float()
+            return F.linear(x.to(self.weight.dtype), self.weight).float()
         return cpu_kernels.q8_linear(x, self.weight, self.scales)
 
 

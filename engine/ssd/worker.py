@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from engine.drafters import Drafter
+from engine.models.registry import DEFAULT_FAST_WEIGHTS
 from engine.sampling import SamplingParams
 from engine.ssd.backups import fast_backup, ngram_backup
 from engine.ssd.devices import DeviceSpec, pin
@@ -38,7 +39,7 @@ class DrafterSpec:
     pair: str = "tiny"
     kind: str = "model"
     backend: str = "auto"
-    weight_dtype: str = "float16"
+    weight_dtype: str = DEFAULT_FAST_WEIGHTS
 
 
 @dataclass(frozen=True)
