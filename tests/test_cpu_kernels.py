@@ -35,23 +35,23 @@ def test_q8_linear_matches_dequantized_weights_and_rows_are_independent(n, k):
 
 
 @native
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n, k", [(70, 40), (96, 64)])  # N = 70: a zero-padded last panel; K = 40: padded to 64
-def test_f16_linear_matches_16_bit_weights_and_rows_are_independent(n, k, dtype):
+def test_panel_linear_matches_the_stored_weights_and_rows_are_independent(n, k, dtype):
     weight = torch.randn(n, k) * 0.05
     panels = cpu_kernels.pack_panels(weight, dtype)
     x = torch.randn(11, k)  # tiles of 1-3 panels and of up to 5 rows, split evenly (11 = 4 + 4 + 3)
-    y = cpu_kernels.f16_linear(x, panels, n)
+    y = cpu_kernels.panel_linear(x, panels, n)
     torch.testing.assert_close(y, x @ weight.to(dtype).float().T, atol=1e-5, rtol=1e-5)
     # Each (row, channel) is one fp32 chain over k, whatever the tile: verification == decoding.
     for m in range(1, 11):
-        assert torch.equal(cpu_kernels.f16_linear(x[:m], panels, n), y[:m])
+        assert torch.equal(cpu_kernels.panel_linear(x[:m], panels, n), y[:m])
     for i in (0, 4, 10):
-        assert torch.equal(cpu_kernels.f16_linear(x[i:i + 1], panels, n)[0], y[i])
+        assert torch.equal(cpu_kernels.panel_linear(x[i:i + 1], panels, n)[0], y[i])
 
 
 @native
-@pytest.mark.parametrize("weight_dtype", ["float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("weight_dtype", ["float32", "float16", "bfloat16", "int8"])
 @pytest.mark.parametrize("m, k, n", [(1, 40, 32), (31, 600, 48), (64, 96, 70)])
 def test_linear_wide_matches_the_stored_weights(m, k, n, weight_dtype):
     """The prefill GEMM: 6-row tiles, 256-wide k blocks, and N = 70 (not a multiple of its
@@ -123,7 +123,7 @@ def test_native_and_torch_glue_give_the_same_float32_model(tiny_pair, monkeypatc
 
 
 @native
-@pytest.mark.parametrize("weight_dtype", ["int8", "float16", "bfloat16"])
+@pytest.mark.parametrize("weight_dtype", ["int8", "float16", "bfloat16", "float32"])
 def test_verification_is_bit_identical_to_decoding(tiny_pair, weight_dtype):
     """Why greedy SpS equals AR exactly on the native formats: the logits of a token do not depend
     on how many tokens share its forward (no batch-dependent scales or summation orders)."""
@@ -137,10 +137,10 @@ def test_verification_is_bit_identical_to_decoding(tiny_pair, weight_dtype):
 
 
 @native
-@pytest.mark.parametrize("weight_dtype", ["float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("weight_dtype", ["float32", "float16", "bfloat16", "int8"])
 def test_a_long_prefill_into_an_empty_cache_takes_the_wide_gemm(tiny_pair, weight_dtype):
     """A prompt of >= WIDE_MIN_ROWS tokens prefilled at once runs linear_wide; compare a prefill
-    split at token 1 (the batch-invariant kernels for the rest). 16-bit weights: the wide GEMM's
+    split at token 1 (the batch-invariant kernels for the rest). Panel formats: the wide GEMM's
     k blocks continue each (row, channel) chain in the same order, so the two agree bit for bit.
     int8: the wide GEMM meets float32 activations (q8_linear quantizes them to int16), so the two
     agree to that rounding but not bit for bit -- the sign that the wide path ran."""
@@ -159,7 +159,7 @@ def test_a_long_prefill_into_an_empty_cache_takes_the_wide_gemm(tiny_pair, weigh
 
 
 @native
-@pytest.mark.parametrize("weight_dtype", ["int8", "float16", "bfloat16"])
+@pytest.mark.parametrize("weight_dtype", ["int8", "float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("tree", [False, True])
 def test_native_decoder_is_the_per_op_path_in_one_call(tiny_pair, monkeypatch, tree, weight_dtype):
     """The fused decoder_forward runs the same kernels in the same order as the Python layer loop,
@@ -184,8 +184,8 @@ def test_native_decoder_is_the_per_op_path_in_one_call(tiny_pair, monkeypatch, t
 
 
 @native
-@pytest.mark.parametrize("weight_dtype", ["float16", "bfloat16"])
-def test_16_bit_formats_fall_back_to_fbgemm_without_the_native_kernels(monkeypatch, weight_dtype):
+@pytest.mark.parametrize("weight_dtype", ["float32", "float16", "bfloat16"])
+def test_float_formats_fall_back_to_onednn_or_fbgemm_without_the_native_kernels(monkeypatch, weight_dtype):
     weight, x = torch.randn(96, 64) * 0.05, torch.randn(3, 64)
     native_linear = fast_llama.PackedLinear(weight, weight_dtype)
     assert native_linear.native

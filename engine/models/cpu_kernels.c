@@ -4,7 +4,7 @@
 // from memory once per call and applying it to all rows while it sits in registers or L1:
 //   q8_linear   int8 weights in groups of 32 (llama.cpp's Q8_0), activations quantized to int16
 //               per row and group, exact integer group sums;
-//   f16_linear  fp16 or bf16 weights in 16-channel panels, fp32 activations and accumulation.
+//   panel_linear  fp16, bf16 or fp32 weights in 16-channel panels, fp32 activations and accumulation.
 // In both a row's output does not depend on which other rows share the call (verification is
 // bit-identical to decoding one token at a time). linear_wide, for long prefills only, gives that
 // up for a compute-bound register-blocked GEMM. Then the glue between the GEMMs (add+RMSNorm,
@@ -95,39 +95,50 @@ void q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const floa
     free(xs);
 }
 
-// f16_linear: y[M, N] = x[M, K] @ W[N, K]^T for 16-bit float weights stored in panels of 16
-// output channels, k-major: panel[k][16] (pack_f16 / pack_bf16 in cpu_kernels.py). One 32-byte load
-// holds the 16 channels of one input k; they are widened to two fp32 vectors (F16C for fp16; a
-// shift and a mask for bf16, whose pairs pack_bf16 stores interleaved) and multiplied by the
-// broadcast x[m][k]. Every (row, channel) sum is then one sequential fp32 chain over k, the same
-// whatever M or the tile, so a row's result is bit-identical however many rows share the call.
-// Tiles keep at least 6 chains in flight (FMA latency 5): 3 panels for one row, 2 for two, 1 for
-// 3-5 rows. Measured on the default target's GEMMs (2 threads) against the row-major layout with
-// two partial sums per row it replaced: one row 16.8 -> 13.7 ms (the weights stream in order),
-// two rows 18.5 -> 17.2, five 27.4 -> 26.0 (fp16; there F16C costs about two FMAs' issue slots).
+// panel_linear: y[M, N] = x[M, K] @ W[N, K]^T for float weights stored in panels of 16 output
+// channels, k-major: panel[k][16] (pack_panels in cpu_kernels.py), in one of the panel formats
+//   PANEL_F16  fp16, widened by F16C;
+//   PANEL_BF16 bf16, widened by a shift and a mask (pack_panels stores channel c next to c + 8);
+//   PANEL_F32  fp32, as stored.
+// For each input k the 16 channels are one load (32 or 64 bytes), multiplied by the broadcast
+// x[m][k]: the weights stream front to back and there are no horizontal sums. Every (row, channel)
+// sum is one sequential fp32 chain over k, the same whatever M or the tile, so a row's result is
+// bit-identical however many rows share the call. Tiles keep at least 6 chains in flight (FMA
+// latency 5): 3 panels for one row, 2 for two, 1 for 3-6 rows. Measured on the default target's
+// GEMMs (2 threads), fp16, against the row-major layout with two partial sums per row it replaced:
+// one row 16.8 -> 13.7 ms, two rows 18.5 -> 17.2, five 27.4 -> 26.0 (F16C costs this CPU about two
+// FMAs' issue slots per vector, the bf16 shift nearly nothing: 5 rows take 21 ms in bf16).
 #define PANEL 16
-#define F16_TILE 6
-static inline __attribute__((always_inline)) void panel_load(const uint16_t *p, const int bf16, __m256 *w0, __m256 *w1) {
-    if (bf16) {
-        const __m256i raw = _mm256_load_si256((const __m256i *)p);
+#define PANEL_TILE 6
+enum { PANEL_F16 = 1, PANEL_BF16 = 2, PANEL_F32 = 3 };  // format codes; 0 is int8 (q8_linear)
+
+static inline __attribute__((always_inline)) void panel_load(const void *w, int64_t at, const int format, __m256 *w0,
+                                                             __m256 *w1) {
+    if (format == PANEL_F32) {
+        *w0 = _mm256_load_ps((const float *)w + at);
+        *w1 = _mm256_load_ps((const float *)w + at + 8);
+    } else if (format == PANEL_BF16) {
+        const __m256i raw = _mm256_load_si256((const __m256i *)((const uint16_t *)w + at));
         *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
         *w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32((int)0xffff0000u)));
     } else {
-        *w0 = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)p));
-        *w1 = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(p + 8)));
+        *w0 = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)((const uint16_t *)w + at)));
+        *w1 = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)((const uint16_t *)w + at + 8)));
     }
 }
 
-static inline __attribute__((always_inline)) void f16_tile(const float *x, int64_t K, const uint16_t *p, float *y,
-                                                           int64_t ldy, const int rows, const int panels, const int bf16) {
-    __m256 acc[F16_TILE][3][2];
+static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t K, const void *w, float *y,
+                                                             int64_t ldy, const int rows, const int panels,
+                                                             const int format) {
+    const int64_t bytes = format == PANEL_F32 ? 4 : 2;
+    __m256 acc[PANEL_TILE][3][2];
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < panels; j++) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         for (int j = 0; j < panels; j++) {
             __m256 w0, w1;
-            _mm_prefetch((const char *)(p + (j * K + k + 64) * PANEL), _MM_HINT_T0);
-            panel_load(p + (j * K + k) * PANEL, bf16, &w0, &w1);
+            _mm_prefetch((const char *)w + (j * K + k + 64) * PANEL * bytes, _MM_HINT_T0);
+            panel_load(w, (j * K + k) * PANEL, format, &w0, &w1);
             for (int m = 0; m < rows; m++) {
                 const __m256 a = _mm256_broadcast_ss(x + m * K + k);
                 acc[m][j][0] = _mm256_fmadd_ps(a, w0, acc[m][j][0]);
@@ -142,31 +153,35 @@ static inline __attribute__((always_inline)) void f16_tile(const float *x, int64
         }
 }
 
-#define F16_CASE(R, P) case R * 4 + P: f16_tile(x, K, p, y, ldy, R, P, bf16); break
-static inline __attribute__((always_inline)) void f16_dispatch(const float *x, int64_t K, const uint16_t *p, float *y,
-                                                               int64_t ldy, int rows, int panels, const int bf16) {
+#define PANEL_CASE(R, P) case R * 4 + P: panel_tile(x, K, w, y, ldy, R, P, format); break
+static inline __attribute__((always_inline)) void panel_dispatch(const float *x, int64_t K, const void *w, float *y,
+                                                                 int64_t ldy, int rows, int panels, const int format) {
     switch (rows * 4 + panels) {
-        F16_CASE(1, 1); F16_CASE(1, 2); F16_CASE(1, 3); F16_CASE(2, 1); F16_CASE(2, 2);
-        F16_CASE(3, 1); F16_CASE(4, 1); F16_CASE(5, 1); default: f16_tile(x, K, p, y, ldy, 6, 1, bf16); break;
+        PANEL_CASE(1, 1); PANEL_CASE(1, 2); PANEL_CASE(1, 3); PANEL_CASE(2, 1); PANEL_CASE(2, 2);
+        PANEL_CASE(3, 1); PANEL_CASE(4, 1); PANEL_CASE(5, 1); default: panel_tile(x, K, w, y, ldy, 6, 1, format); break;
     }
 }
 
-// x [M, K] float32, w [ceil(N/16), K, 16] packed fp16 (bf16 = 0) or bf16 (bf16 = 1), y [M, N].
-void f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y, int bf16) {
-    const int64_t panels = (N + PANEL - 1) / PANEL;
+// x [M, K] float32, w [ceil(N/16), K, 16] panels in `format`, y [M, N].
+void panel_linear(const float *x, int64_t M, int64_t K, const void *w, int64_t N, float *y, int format) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, bytes = format == PANEL_F32 ? 4 : 2;
     const int group = M == 1 ? 3 : M == 2 ? 2 : 1;
-    const int64_t tiles = (M + F16_TILE - 1) / F16_TILE;  // rows split evenly: 6 -> 3 + 3, not 5 + 1
+    const int64_t tiles = (M + PANEL_TILE - 1) / PANEL_TILE;  // rows split evenly: 7 -> 4 + 3, not 6 + 1
     #pragma omp parallel for schedule(static)
     for (int64_t p0 = 0; p0 < panels; p0 += group) {
         const int np = panels - p0 < group ? (int)(panels - p0) : group;
         const int full = (p0 + np) * PANEL <= N;
+        const void *wp = (const char *)w + p0 * K * PANEL * bytes;
         for (int64_t t = 0, m0 = 0; t < tiles; t++) {
             const int rows = (int)((M - m0) / (tiles - t));
-            float buf[F16_TILE * 3 * PANEL];
+            float buf[PANEL_TILE * 3 * PANEL];
             float *out = full ? y + m0 * N + p0 * PANEL : buf;
             const int64_t ldy = full ? N : np * PANEL;
-            if (bf16) f16_dispatch(x + m0 * K, K, w + p0 * K * PANEL, out, ldy, rows, np, 1);
-            else f16_dispatch(x + m0 * K, K, w + p0 * K * PANEL, out, ldy, rows, np, 0);
+            switch (format) {
+                case PANEL_F32: panel_dispatch(x + m0 * K, K, wp, out, ldy, rows, np, PANEL_F32); break;
+                case PANEL_BF16: panel_dispatch(x + m0 * K, K, wp, out, ldy, rows, np, PANEL_BF16); break;
+                default: panel_dispatch(x + m0 * K, K, wp, out, ldy, rows, np, PANEL_F16); break;
+            }
             if (!full)  // the last panel is zero-padded past N: keep its real channels only
                 for (int m = 0; m < rows; m++)
                     memcpy(y + (m0 + m) * N + p0 * PANEL, buf + m * ldy, (N - p0 * PANEL) * sizeof(float));
@@ -175,15 +190,14 @@ void f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t
     }
 }
 
-// linear_wide: the same products for prefills, where rows need not match a one-row decode.
-// A prompt's rows make the GEMM compute-bound, and the kernels above re-convert every weight for
-// each tile of rows. Here each thread converts a block of 16 channels x 256 k once into an fp32
-// [k][16] panel (F16C, or int8 x its group scale; then an 8x8 transpose), and a 6-row x
-// 16-channel register block (12 accumulators) broadcasts x and streams the panel: 12 FMAs per 2
-// panel loads, the classic BLIS micro-kernel shape. int8 weights meet float32 activations here
-// (no activation quantization). Measured on the default target's float16 layer GEMMs (2
-// threads): 4.2 -> 3.4 ms per row at 40 rows, 4.1 -> 3.1 at 100. Sums run in another order than
-// the batch-invariant kernels' (k blocked), so results differ in the last bits.
+// linear_wide: the same products for prefills of fp16 and int8 weights, whose widening is worth
+// amortising over many rows. Each thread converts a block of 16 channels x 256 k once into an fp32
+// [k][16] panel (F16C; or int8 x its group scale, then an 8x8 transpose), and a 6-row x 16-channel
+// register block (12 accumulators) broadcasts x and streams the panel: 12 FMAs per 2 panel loads,
+// the classic BLIS micro-kernel shape. Measured on the default target's prefill: 1.1-1.2x faster
+// than panel_linear in fp16, 1.4-1.5x than q8_linear in int8 (30-120 rows). For fp16 each
+// (row, channel) sum keeps panel_linear's order (the k blocks continue one chain), so the results
+// are bit-identical; int8 weights meet float32 activations here (no int16 rounding), so those differ.
 #define PANEL_K 256
 #define WIDE_ROWS 6
 
@@ -206,16 +220,14 @@ static inline void store_transposed(__m256 r[8], float *p) {
     }
 }
 
-// Panel of channels n0..n0+15, k0..k0+kn-1 (k0 and kn multiples of 8) as fp32 [kn][16]: int8
-// (format 0, row-major) is scaled and transposed; fp16/bf16 (1, 2) are already panels, only widened.
+// Panel of channels n0..n0+15, k0..k0+kn-1 (k0 and kn multiples of 8) as fp32 [kn][16]: fp16
+// panels are widened, int8 (format 0, row-major) is scaled and transposed.
 static void pack_panel(const void *w, const float *scales, int format, int64_t K, int64_t n0, int64_t k0,
                        int64_t kn, float *panel) {
-    if (format != 0) {
-        const uint16_t *p = (const uint16_t *)w + (n0 * K + k0 * PANEL);
+    if (format == PANEL_F16) {
         for (int64_t k = 0; k < kn; k++) {
             __m256 w0, w1;
-            if (format == 2) panel_load(p + k * PANEL, 1, &w0, &w1);
-            else panel_load(p + k * PANEL, 0, &w0, &w1);
+            panel_load(w, n0 * K + (k0 + k) * PANEL, PANEL_F16, &w0, &w1);
             _mm256_store_ps(panel + k * PANEL, w0);
             _mm256_store_ps(panel + k * PANEL + 8, w1);
         }
@@ -235,7 +247,7 @@ static void pack_panel(const void *w, const float *scales, int format, int64_t K
     }
 }
 
-static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t K, const float *panel, int64_t kn,
+static inline __attribute__((always_inline)) void wide_tile(const float *x, int64_t K, const float *panel, int64_t kn,
                                                              float *y, int64_t N, int first, const int rows) {
     __m256 acc[WIDE_ROWS][2];
     for (int m = 0; m < rows; m++) {
@@ -256,14 +268,15 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
     }
 }
 
-// x [M, K] float32, w (format 0: int8 [N, K] with scales [N, K/32]; 1: fp16, 2: bf16 panels as
-// f16_linear), y [M, N]; K % 32 == 0. N not a multiple of the panel width falls back to the
-// batch-invariant kernel of the format.
+// x [M, K] float32, w (format 0: int8 [N, K] with scales [N, K/32]; else panels as panel_linear),
+// y [M, N]; K % 32 == 0. fp32 and bf16 panels need no conversion worth amortising, so they stay on
+// panel_linear (measured: 0.83-0.94x and 0.95-1.03x its speed here at 30-120 rows), as does an N
+// that is not a multiple of the panel width.
 void linear_wide(const float *x, int64_t M, int64_t K, const void *w, const float *scales, int format, int64_t N,
                  float *y) {
-    if (N % PANEL) {
+    if (N % PANEL || format == PANEL_F32 || format == PANEL_BF16) {
         if (format == 0) q8_linear(x, M, K, w, scales, N, y);
-        else f16_linear(x, M, K, w, N, y, format == 2);
+        else panel_linear(x, M, K, w, N, y, format);
         return;
     }
     #pragma omp parallel
@@ -278,12 +291,12 @@ void linear_wide(const float *x, int64_t M, int64_t K, const void *w, const floa
                     const float *xm = x + m0 * K + k0;
                     float *ym = y + m0 * N + n0;
                     switch (M - m0 < WIDE_ROWS ? M - m0 : WIDE_ROWS) {
-                        case 1: panel_tile(xm, K, panel, kn, ym, N, k0 == 0, 1); break;
-                        case 2: panel_tile(xm, K, panel, kn, ym, N, k0 == 0, 2); break;
-                        case 3: panel_tile(xm, K, panel, kn, ym, N, k0 == 0, 3); break;
-                        case 4: panel_tile(xm, K, panel, kn, ym, N, k0 == 0, 4); break;
-                        case 5: panel_tile(xm, K, panel, kn, ym, N, k0 == 0, 5); break;
-                        default: panel_tile(xm, K, panel, kn, ym, N, k0 == 0, 6); break;
+                        case 1: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, 1); break;
+                        case 2: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, 2); break;
+                        case 3: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, 3); break;
+                        case 4: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, 4); break;
+                        case 5: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, 5); break;
+                        default: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, 6); break;
                     }
                 }
             }
@@ -455,7 +468,7 @@ void attention(const float *qkv, int64_t n, const float *rope, float *kc, float 
 // ---- The whole decoder stack in one call: no Python (or ctypes, or thread wake-up) between ops. ----
 
 // Per-layer weights and norm weights as arrays indexed by layer. format 0: int8 (Q8_0, *_q int8
-// [N, K] with *_s scales [N, K/32]); format 1 / 2: fp16 / bf16 (*_q panels as f16_linear, *_s unused). down's K is
+// [N, K] with *_s scales [N, K/32]); other formats: *_q panels as panel_linear, *_s unused. down's K is
 // the MLP width padded to a multiple of 32 (zero columns).
 typedef struct {
     const void *const *qkv_q, *const *o_q, *const *gate_up_q, *const *down_q;
@@ -470,7 +483,7 @@ static void decoder_linear(const Decoder *d, const void *w, const float *s, cons
                            int64_t N, float *y, int wide) {
     if (wide) linear_wide(x, n, K, w, s, (int)d->format, N, y);
     else if (d->format == 0) q8_linear(x, n, K, w, s, N, y);
-    else f16_linear(x, n, K, w, N, y, d->format == 2);
+    else panel_linear(x, n, K, w, N, y, (int)d->format);
 }
 
 // x [n, hidden]: input vectors, consumed as the residual stream; out [n, hidden]: final-norm

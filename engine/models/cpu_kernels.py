@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from engine.models.cache_dir import cache_root
 
 GROUP = 32  # int8 quantization group along the input dimension, as in cpu_kernels.c
-PANEL = 16  # output channels per panel of the 16-bit weight layout (`pack_panels`), as in cpu_kernels.c
+PANEL = 16  # output channels per panel of the float weight layout (`pack_panels`), as in cpu_kernels.c
 # A prefill of at least this many rows into an empty cache runs its GEMMs through `linear_wide`
 # (faster from about 20 rows on). Every engine prefills a prompt that way, so AR, SpS and SSD
 # still share the prompt's KV cache bit for bit; everything after the prefill (decoding,
-# verification, trees) keeps the batch-invariant kernels (`f16_linear`, `q8_linear`).
+# verification, trees) keeps the batch-invariant kernels (`panel_linear`, `q8_linear`).
 WIDE_MIN_ROWS = 24
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
@@ -84,7 +84,7 @@ def _library() -> ctypes.CDLL | None:
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
         "q8_linear": [ptr, i64, i64, ptr, ptr, i64, ptr],
-        "f16_linear": [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int],
+        "panel_linear": [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int],
         "linear_wide": [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr],
         "add_rms_norm": [ptr, ptr, ptr, f32, ptr, i64, i64],
         "silu_mul": [ptr, ptr, i64, i64],
@@ -155,12 +155,13 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.T
 
 
 def pack_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """float weight [N, K] -> 16-bit panels [ceil(N / PANEL), K', PANEL], the layout `f16_linear` streams.
+    """float weight [N, K] -> panels [ceil(N / PANEL), K', PANEL] in `dtype` (float16, bfloat16 or
+    float32), the layout `panel_linear` streams.
 
-    For each input k a panel's PANEL output channels sit in one 32-byte load, so a GEMM reads the
-    weights front to back and multiplies each by a broadcast activation (no horizontal sums).
-    K is zero-padded to K' (a multiple of GROUP), N to a multiple of PANEL. bfloat16 stores channel
-    c next to c + 8 (the kernel widens the even and odd halves with a shift and a mask).
+    For each input k a panel's PANEL output channels sit in one load, so a GEMM reads the weights
+    front to back and multiplies each by a broadcast activation (no horizontal sums). K is
+    zero-padded to K' (a multiple of GROUP), N to a multiple of PANEL. bfloat16 stores channel c
+    next to c + 8 (the kernel widens the even and odd halves with a shift and a mask).
     """
     w = pad_to_group(weight.detach().float())
     k = w.shape[1]
@@ -171,30 +172,29 @@ def pack_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float16) -> tor
     return panels.contiguous().view(-1, k, PANEL)
 
 
-_PANEL_FORMATS = {torch.float16: 1, torch.bfloat16: 2}  # cpu_kernels.c's format codes (0 is int8)
+_PANEL_FORMATS = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}  # cpu_kernels.c's codes (0: int8)
 
 
-def f16_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    """float32 x [M, K] @ W^T, W [out_features, K] stored by `pack_panels` (float16 or bfloat16) ->
-    float32 [M, out_features], accumulated in float32 on the native kernel (rows independent, as
-    `q8_linear`)."""
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """float32 x [M, K] @ W^T, W [out_features, K] stored by `pack_panels` -> float32 [M, out_features],
+    accumulated in float32 on the native kernel (rows independent, as `q8_linear`)."""
     x = pad_to_group(x.float()).contiguous()
     y = torch.empty(x.shape[0], out_features)
-    _library().f16_linear(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(), out_features, y.data_ptr(),
-                          int(panels.dtype == torch.bfloat16))
+    _library().panel_linear(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(), out_features, y.data_ptr(),
+                            _PANEL_FORMATS[panels.dtype])
     return y
 
 
 def linear_wide(x: torch.Tensor, weight: torch.Tensor, out_features: int,
                 scales: torch.Tensor | None = None) -> torch.Tensor:
-    """`f16_linear` (weight: `pack_panels`) or `q8_linear` (weight and scales: `quantize_q8`) for
+    """`panel_linear` (weight: `pack_panels`) or `q8_linear` (weight and scales: `quantize_q8`) for
     prefills: compute-bound, so each panel of 16 channels is converted to float32 once and a 6 x 16
     register block runs near the FMA peak (int8 weights then meet float32 activations). Rows are
     not batch-invariant (the sums run k-blocked), so it is for prefills only (`WIDE_MIN_ROWS`)."""
     x = pad_to_group(x.float()).contiguous()
     y = torch.empty(x.shape[0], out_features)
     _library().linear_wide(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
-                           None if scales is None else scales.data_ptr(), _PANEL_FORMATS.get(weight.dtype, 0),
+                           None if scales is None else scales.data_ptr(), 0 if scales is not None else _PANEL_FORMATS[weight.dtype],
                            out_features, y.data_ptr())
     return y
 
@@ -233,19 +233,19 @@ def attention(qkv: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 class NativeDecoder:
     """A whole Llama decoder stack as one native call (`decoder_forward` in cpu_kernels.c), with
-    int8 (`quantize_q8`), float16 or bfloat16 (`pack_panels`) weights.
+    int8 (`quantize_q8`) or float16, bfloat16 and float32 panels (`pack_panels`).
 
     Between the ops of a decode step there is then no Python, no ctypes call and no OpenMP
     wake-up: on the default target that was ~4 of ~17 ms per int8 token. The weights stay owned
     by the caller's tensors (referenced here so they outlive the pointers).
     """
 
-    FORMATS = {"int8": 0, "float16": 1, "bfloat16": 2}
+    FORMATS = {"int8": 0, "float16": 1, "bfloat16": 2, "float32": 3}
 
     def __init__(self, weight_format: str, layers: Sequence[dict[str, torch.Tensor | None]], final_norm: torch.Tensor,
                  *, mlp: int, heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
-        """layers: per layer, the weights qkv_q, o_q, gate_up_q, down_q (int8 [N, K'] or 16-bit
-        panels [N / PANEL, K', PANEL], K' padded to GROUP), their scales qkv_s, ... (int8; None
+        """layers: per layer, the weights qkv_q, o_q, gate_up_q, down_q (int8 [N, K'] or panels
+        [N / PANEL, K', PANEL], K' padded to GROUP), their scales qkv_s, ... (int8; None
         otherwise) and the norm weights input_norm, post_norm."""
         hidden = final_norm.shape[0]
         if hidden % GROUP or heads * head_dim % GROUP:

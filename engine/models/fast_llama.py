@@ -8,24 +8,23 @@ Why it is faster than `HFCausalLM` on a small, memory-bandwidth-bound CPU:
   it in place and `rollback` only moves the length pointer, so rejected drafts cost nothing.
 * Q/K/V and gate/up projections are fused into one matmul each (fewer, larger kernels).
 * The LM head -- the biggest single matrix -- is applied only to the `last_n` positions asked for.
-* Weights can be stored as bfloat16, float16 or int8: decoding reads every weight once per
-  step, so fewer bytes per weight is most of the speed-up. The residual stream, norms, RoPE,
+* Weights can be stored as float32, bfloat16, float16 or int8: decoding reads every weight once
+  per step, so fewer bytes per weight is most of the speed-up. The residual stream, norms, RoPE,
   attention and the KV cache stay float32 in every mode.
-* bfloat16, float16 and int8 (llama.cpp's Q8_0 layout) run on our own AVX2 kernels
-  (cpu_kernels.c, compiled on first use), and the whole layer stack runs in one native call, so
-  nothing runs in Python between the ops of a step. bfloat16 is the default: the fastest 16-bit
-  format here (widening bf16 is a shift; F16C costs this CPU FMA issue slots), at a KL of ~5e-5
-  against float32 with fp32 activations; float16 gives KL ~2e-6 at ~10% more time per token;
-  int8 is faster at one row but slowest to verify, at a KL of ~1e-3.
-* float32 (and the 16-bit formats where the kernels cannot build) runs the layer loop in Python
-  over prepacked GEMMs (oneDNN for fp32, fbgemm's fp16 for both 16-bit formats), with the glue
-  between them (add+RMSNorm, RoPE+cache+attention, SiLU*mul) in one native call each where the
-  kernels built, or in torch ops otherwise.
-* Verifying K+1 tokens reads each weight once for all rows. On this CPU the native GEMMs are
-  compute-bound beyond one row, so 5 rows cost ~1.8-1.9x one in the 16-bit formats and ~2.9x in
-  int8; the slower, memory-bound float32 path costs ~1.3x.
-* A long prompt prefilled into an empty cache uses a register-blocked GEMM instead
-  (cpu_kernels.linear_wide, 1.15-1.5x faster); it is the one forward whose rows are not
+* Every format runs on our own AVX2 kernels (cpu_kernels.c, compiled on first use), and the whole
+  layer stack runs in one native call, so nothing runs in Python between the ops of a step.
+  bfloat16 is the default: the fastest float format here (widening bf16 is a shift; F16C costs
+  this CPU FMA issue slots), at a KL of ~5e-5 against float32; float16 gives KL ~2e-6 at ~15%
+  more time per token; int8 (llama.cpp's Q8_0 layout) is as fast at one row but slowest to
+  verify, at a KL of ~1e-3; float32 is the reference, at twice bf16's time per token.
+* Without the kernels (no C compiler or no AVX2) the layer loop runs in Python over prepacked
+  GEMMs (oneDNN for fp32, fbgemm's fp16 for both 16-bit formats), with the glue between them in
+  torch ops.
+* Verifying K+1 tokens reads each weight once for all rows. One row is memory-bound; beyond it
+  the GEMMs become compute-bound the sooner the fewer bytes a weight has: on the default target 5
+  rows cost ~1.15x one row in float32, ~1.9-2.0x in the 16-bit formats and ~3x in int8.
+* A long prompt prefilled into an empty cache in float16 or int8 uses a register-blocked GEMM
+  (cpu_kernels.linear_wide, 1.1-1.5x faster). For int8 it is the one forward whose rows are not
   batch-invariant, and every engine prefills the same way.
 
 Converted weights are built once per (model, weight_dtype) and shared by every instance, so
@@ -89,58 +88,52 @@ _FBGEMM_FP16 = "fbgemm" in torch.backends.quantized.supported_engines and _has_o
 class PackedLinear:
     """y = x @ W.T for float32 x [M, in] -> float32 y [M, out], W stored in `dtype`.
 
-    float32  oneDNN with a prepacked weight (falls back to F.linear).
-    float16  fp16 weights, fp32 activations and accumulation: our F16C kernel (cpu_kernels.c) on
-             16-channel panels where it built, else fbgemm's fp16 weight-only GEMM.
-    bfloat16 the same kernel on bf16 panels (widened by a shift, cheaper than F16C here), fp32
-             activations; without the kernels, the bf16-rounded weights through fbgemm's fp16
-             GEMM (exact for bf16 values in fp16's range), else F.linear in bf16.
+    Where the native kernels built (cpu_kernels.c), every format runs on them, with fp32
+    activations and accumulation:
+    float32, float16, bfloat16  weights in 16-channel panels (`cpu_kernels.panel_linear`);
     int8     llama.cpp's Q8_0 weights (int8 per group of 32) x int16 activations (per row and
-             group, so a row's result never depends on the other rows), exact integer group sums
-             on our AVX2 kernel (cpu_kernels.c), float32 accumulation across groups.
-    A prefill (`prefill=True`) runs the native formats through `cpu_kernels.linear_wide` instead.
+             group, so a row's result never depends on the other rows), exact integer group sums,
+             float32 accumulation across groups.
+    A prefill (`prefill=True`) runs through `cpu_kernels.linear_wide` instead. Without the
+    kernels: float32 on oneDNN with a prepacked weight, both 16-bit formats on fbgemm's fp16 GEMM
+    (bf16 values in fp16's range are exact in fp16), int8 in torch.
     """
 
-    _PANEL_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+    _PANEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
     def __init__(self, weight: torch.Tensor, dtype: str) -> None:
+        if dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"unknown weight_dtype {dtype!r}; expected one of {', '.join(WEIGHT_DTYPES)}")
         self.dtype = dtype
         self.out_features = weight.shape[0]
         self.scales = None  # int8 only
-        # float16, bfloat16 and int8 run on the native kernels where they built (cpu_kernels.c).
-        self.native = dtype in ("float16", "bfloat16", "int8") and cpu_kernels.available()
+        self.native = cpu_kernels.available()
         weight = weight.detach().float().contiguous()
-        if dtype == "float32":
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if _ONEDNN_FP32 else weight
-        elif dtype in self._PANEL_DTYPES and self.native:
-            self.weight = cpu_kernels.pack_panels(weight, self._PANEL_DTYPES[dtype])
-        elif dtype == "float16":
-            self.weight = torch.ops.quantized.linear_prepack_fp16(weight, None) if _FBGEMM_FP16 else weight.half()
-        elif dtype == "bfloat16":
-            rounded = weight.to(torch.bfloat16)
-            self.weight = torch.ops.quantized.linear_prepack_fp16(rounded.float(), None) if _FBGEMM_FP16 else rounded
-        elif dtype == "int8":
+        if dtype == "int8":
             self.weight, self.scales = cpu_kernels.quantize_q8(weight)
+        elif self.native:
+            self.weight = cpu_kernels.pack_panels(weight, self._PANEL_DTYPES[dtype])
+        elif dtype == "float32":
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if _ONEDNN_FP32 else weight
         else:
-            raise ValueError(f"unknown weight_dtype {dtype!r}; expected one of {', '.join(WEIGHT_DTYPES)}")
+            rounded = weight.to(self._PANEL_DTYPES[dtype]).float()
+            self.weight = torch.ops.quantized.linear_prepack_fp16(rounded, None) if _FBGEMM_FP16 else rounded
 
     def __call__(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
         """`prefill`: rows need not be batch-invariant (see cpu_kernels.WIDE_MIN_ROWS)."""
-        if self.dtype == "float32":
-            if _ONEDNN_FP32:
-                return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-            return F.linear(x, self.weight)
         if self.native:
             if prefill:
                 return cpu_kernels.linear_wide(x, self.weight, self.out_features, self.scales)
             if self.dtype == "int8":
                 return cpu_kernels.q8_linear(x, self.weight, self.scales)
-            return cpu_kernels.f16_linear(x, self.weight, self.out_features)
-        if self.dtype in self._PANEL_DTYPES:
-            if _FBGEMM_FP16:
-                return torch.ops.quantized.linear_dynamic_fp16(x, self.weight)
-            return F.linear(x.to(self.weight.dtype), self.weight).float()
-        return cpu_kernels.q8_linear(x, self.weight, self.scales)
+            return cpu_kernels.panel_linear(x, self.weight, self.out_features)
+        if self.dtype == "int8":
+            return cpu_kernels.q8_linear(x, self.weight, self.scales)
+        if self.dtype == "float32" and _ONEDNN_FP32:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        if self.dtype != "float32" and _FBGEMM_FP16:
+            return torch.ops.quantized.linear_dynamic_fp16(x, self.weight)
+        return F.linear(x, self.weight)
 
 
 def _interleave_heads(weight: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -30,9 +30,9 @@ PAIRS = ("default", "tiny")
 DRAFTER_KINDS = ("model", "model-full-vocab", "ngram", "self", "self-int8")
 BACKENDS = ("auto", "transformers", "fast")
 # bf16 weights (fp32 activations) on our native kernels: the fastest format here for decoding and
-# verifying together, at a KL of 5e-5 against fp32 (fp16: 2e-6, ~10% slower per token, 1.3x per
-# 2-token verify; int8: 1e-3, slowest to verify). Measured in assets/FAST_BACKEND.md; fp32 stays
-# the reference mode.
+# verifying together, at a KL of 5e-5 against fp32 (fp16: 2e-6 and ~15% slower; int8: 1e-3 and
+# slowest to verify; fp32, the reference mode: 2x bf16's time per token). Measured in
+# assets/FAST_BACKEND.md.
 DEFAULT_FAST_WEIGHTS = "bfloat16"
 # The default pair's draft: a feature-level (EAGLE-style) draft distilled from the target by
 # `python -m engine.distill`; its model card is assets/DEFAULT_DRAFT.md.
