@@ -71,7 +71,7 @@ def _status_line(run: RunState, baseline: float | None) -> str:
     if any(w.kind == "degraded" for w in run.worker_events):
         parts.append("⚠️ draft worker lost: finished synchronously")
     if run.start:
-        parts.append(f"{run.start.backend} on {run.start.devices}")  # e.g. fast/float16 on cpu (2 threads)
+        parts.append(f"{run.start.backend} on {run.start.devices}")  # e.g. fast/bfloat16 on cpu (2 threads)
     return " · ".join(parts)
 
 

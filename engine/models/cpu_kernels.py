@@ -29,9 +29,9 @@ from engine.models.cache_dir import cache_root
 GROUP = 32  # int8 quantization group along the input dimension, as in cpu_kernels.c
 PANEL = 16  # output channels per panel of the float weight layout (`pack_panels`), as in cpu_kernels.c
 # A prefill of at least this many rows into an empty cache runs its GEMMs through `linear_wide`
-# (faster from about 20 rows on). Every engine prefills a prompt that way, so AR, SpS and SSD
-# still share the prompt's KV cache bit for bit; everything after the prefill (decoding,
-# verification, trees) keeps the batch-invariant kernels (`panel_linear`, `q8_linear`).
+# (faster from about 20 rows on in fp16 and int8). Every engine prefills a prompt that way, so AR,
+# SpS and SSD still share the prompt's KV cache bit for bit; everything after the prefill
+# (decoding, verification, trees) keeps the batch-invariant kernels (`panel_linear`, `q8_linear`).
 WIDE_MIN_ROWS = 24
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
@@ -187,15 +187,16 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> to
 
 def linear_wide(x: torch.Tensor, weight: torch.Tensor, out_features: int,
                 scales: torch.Tensor | None = None) -> torch.Tensor:
-    """`panel_linear` (weight: `pack_panels`) or `q8_linear` (weight and scales: `quantize_q8`) for
-    prefills: compute-bound, so each panel of 16 channels is converted to float32 once and a 6 x 16
-    register block runs near the FMA peak (int8 weights then meet float32 activations). Rows are
-    not batch-invariant (the sums run k-blocked), so it is for prefills only (`WIDE_MIN_ROWS`)."""
+    """The prefill GEMM: `panel_linear` (weight: `pack_panels`) or `q8_linear` (weight and scales:
+    `quantize_q8`) for many rows. fp16 and int8 weights are widened to float32 once per panel of 16
+    channels and a 6 x 16 register block runs near the FMA peak; fp32 and bf16 panels stay on
+    `panel_linear`. fp16 rows equal `panel_linear`'s bit for bit; int8 weights meet float32
+    activations here, so int8 rows differ from `q8_linear`'s (prefills only: `WIDE_MIN_ROWS`)."""
     x = pad_to_group(x.float()).contiguous()
     y = torch.empty(x.shape[0], out_features)
+    weight_format = 0 if scales is not None else _PANEL_FORMATS[weight.dtype]
     _library().linear_wide(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
-                           None if scales is None else scales.data_ptr(), 0 if scales is not None else _PANEL_FORMATS[weight.dtype],
-                           out_features, y.data_ptr())
+                           None if scales is None else scales.data_ptr(), weight_format, out_features, y.data_ptr())
     return y
 
 
