@@ -86,6 +86,28 @@ def test_stop_really_stops_the_engine(tiny_pair):
     assert ctx.active_runs == 0
 
 
+def test_a_long_ar_run_alone_refreshes_the_ar_baseline(tiny_pair):
+    """The "x AR" readouts follow the user's own AR runs: a start-up measurement taken while the
+    machine was busy would otherwise skew every speedup shown."""
+    ctx = PlaygroundContext("tiny", tiny_pair, ar_baseline_tps=1.0)
+
+    def run(method: str, tokens: int) -> RunState:
+        state = RunState(method=method)
+        control = SpecConfig(method=method, max_new_tokens=tokens, temperature=0.8)
+        for _ in stream_run(ctx, control, tiny_pair.encode_prompt("hi"), threading.Event(), state,
+                            time.monotonic() + 60):
+            pass
+        return state
+
+    run("ar", 8)  # too short to time
+    run("sps", 40)  # not AR
+    assert ctx.ar_baseline_tps == 1.0
+    ar = run("ar", 40)
+    assert ar.finish.metrics["new_tokens"] >= 32
+    assert ctx.ar_baseline_tps == ar.finish.metrics["decode_tokens_per_s"] != 1.0
+    assert "last AR run" in ctx.ar_baseline_note
+
+
 def test_app_weights_flag_reaches_every_model_the_playground_makes(tiny_pair):
     import app
 
