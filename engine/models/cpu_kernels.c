@@ -6,8 +6,8 @@
 //               per row and group, exact integer group sums;
 //   panel_linear  fp16, bf16 or fp32 weights in 16-channel panels, fp32 activations and accumulation.
 // In both a row's output does not depend on which other rows share the call (verification is
-// bit-identical to decoding one token at a time). linear_wide, for long prefills only, gives that
-// up for a compute-bound register-blocked GEMM. Then the glue between the GEMMs (add+RMSNorm,
+// bit-identical to decoding one token at a time). linear_wide, a register-blocked GEMM for long
+// fp16 and int8 prefills, keeps that for fp16 and gives it up for int8. Then the glue between the GEMMs (add+RMSNorm,
 // SiLU*mul, RoPE + KV cache + grouped-query attention) and decoder_forward, the whole layer
 // stack in one call.
 #include <immintrin.h>

@@ -33,6 +33,9 @@ PANEL = 16  # output channels per panel of the float weight layout (`pack_panels
 # SpS and SSD still share the prompt's KV cache bit for bit; everything after the prefill
 # (decoding, verification, trees) keeps the batch-invariant kernels (`panel_linear`, `q8_linear`).
 WIDE_MIN_ROWS = 24
+# The formats `linear_wide` runs its own GEMM for; cpu_kernels.c sends the others (fp32 and bf16
+# panels, nothing to widen) on to `panel_linear`.
+WIDE_FORMATS = ("float16", "int8")
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 

@@ -121,14 +121,12 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
         """`prefill`: rows need not be batch-invariant (see cpu_kernels.WIDE_MIN_ROWS)."""
-        if self.native:
-            if prefill:
-                return cpu_kernels.linear_wide(x, self.weight, self.out_features, self.scales)
-            if self.dtype == "int8":
-                return cpu_kernels.q8_linear(x, self.weight, self.scales)
-            return cpu_kernels.panel_linear(x, self.weight, self.out_features)
-        if self.dtype == "int8":
+        if self.native and prefill:
+            return cpu_kernels.linear_wide(x, self.weight, self.out_features, self.scales)
+        if self.dtype == "int8":  # native or its torch fallback
             return cpu_kernels.q8_linear(x, self.weight, self.scales)
+        if self.native:
+            return cpu_kernels.panel_linear(x, self.weight, self.out_features)
         if self.dtype == "float32" and _ONEDNN_FP32:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         if self.dtype != "float32" and _FBGEMM_FP16:

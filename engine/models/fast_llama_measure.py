@@ -7,7 +7,7 @@ one 5-token forward (verifying 4 drafts + bonus), rolling back after each; backe
 interleaved round by round so background load hits them alike; medians are reported.
 Prefill: a prompt of 30 / 60 / 120 tokens into an empty cache, with the prefill GEMM
 (`cpu_kernels.linear_wide`, the default from `WIDE_MIN_ROWS` rows) and with the batch-invariant
-decode kernels, interleaved; float16 and int8 (the native formats).
+decode kernels, interleaved; for the formats it serves (`cpu_kernels.WIDE_FORMATS`).
 Quality: each weight format is teacher-forced along fast-float32's greedy continuation of a few
 prompts; we report top-1 agreement with float32 and the mean KL(float32 || format) per position.
 """
@@ -133,7 +133,7 @@ def main() -> None:
     for b, (one, five) in speed.items():
         print(f"| {b} | {one:.1f} | {five:.1f} | {five / one:.2f} | {base / one:.2f}x |")
 
-    native = [f for f in formats if f in ("float16", "int8")]  # fp32 and bf16 prefills stay on panel_linear
+    native = [f for f in formats if f in cpu_kernels.WIDE_FORMATS]
     if native and cpu_kernels.available():
         print("\n| format | prompt tokens | prefill, wide GEMM (ms) | prefill, decode kernels (ms) | speed-up |")
         print("|---|---|---|---|---|")
