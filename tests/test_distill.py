@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from engine.distill.teacher_data import TeacherDataConfig, build, existing_shards
-from engine.distill.train import TrainConfig, export, train
-from engine.distill.training_prompts import training_prompts
+from engine.distill.train import TrainConfig, evaluate_drafts, export, train
+from engine.distill.training_prompts import PROMPT_SETS, UNSEEN_SUBJECTS, broad_prompts, training_prompts, unseen_prompts
 from engine.models.feature_draft import draft_card, load_feature_draft
 from engine.prompts import held_out_prompts
 
@@ -16,11 +16,37 @@ def test_training_prompts_exclude_the_held_out_set():
     assert not set(prompts) & set(held_out_prompts())
 
 
+def test_the_unseen_validation_prompts_share_no_subject_with_any_training_set():
+    """The unseen set measures generalisation only if no training prompt mentions its subjects."""
+    unseen = unseen_prompts()
+    assert len(unseen) == len(set(unseen)) >= 64
+    training = [p for name, make in PROMPT_SETS.items() if name != "unseen" for p in make()]
+    assert not set(training) & (set(unseen) | set(held_out_prompts()))
+    assert not [s for s in UNSEEN_SUBJECTS if any(s in p for p in training)]
+    broad = broad_prompts()
+    assert len(broad) > 3000 and len(set(broad)) == len(broad) and not set(broad) & set(training_prompts())
+
+
 @pytest.fixture(scope="module")
 def shards(tiny_pair, tmp_path_factory):
     work = tmp_path_factory.mktemp("distill")
     build(tiny_pair, TeacherDataConfig(out_dir=work / "data", shards=3, batch_size=6, max_new_tokens=16))
+    build(tiny_pair, TeacherDataConfig(out_dir=work / "validation", shards=1, batch_size=6, max_new_tokens=16,
+                                       prompt_set="unseen"))
     return work
+
+
+def test_a_later_prompt_set_starts_at_its_first_shard(tiny_pair, tmp_path):
+    build(tiny_pair, TeacherDataConfig(out_dir=tmp_path, shards=5, batch_size=2, max_new_tokens=4,
+                                       prompt_set="broad", first_shard=3))
+    paths = existing_shards(tmp_path)
+    assert [p.name for p in paths] == ["shard_00003.pt", "shard_00004.pt"]
+    prompts = broad_prompts()
+    for index, path in enumerate(paths):
+        shard = torch.load(path)
+        for row in range(2):
+            expected = tiny_pair.encode_prompt(prompts[index * 2 + row])
+            assert shard["tokens"][row][: shard["prompt_lengths"][row]].tolist() == expected
 
 
 def test_teacher_shards_hold_the_targets_own_features_and_top_k(tiny_pair, shards):
@@ -47,6 +73,9 @@ def test_training_lowers_the_loss_resumes_and_exports(tiny_pair, shards, tmp_pat
     history = first["history"]
     assert history["train_loss"][-1] < history["train_loss"][0]
     assert history["overlap_step1"][-1] > history["overlap_step1"][0]
+    unseen = history["unseen_accept_step1"]
+    assert len(unseen) == len(history["tokens_seen"]) and all(0.0 <= a <= 1.0 for a in unseen)
+    assert unseen[-1] > unseen[0]
     cfg.tokens = 2500
     train(tiny_pair.target_model, cfg, log=logs.append)
     assert any(line.startswith(f"resumed at step {first['step']}") for line in logs)
@@ -55,3 +84,5 @@ def test_training_lowers_the_loss_resumes_and_exports(tiny_pair, shards, tmp_pat
     assert draft_card(out)["steps"] == card["steps"] > first["step"]
     draft = load_feature_draft(out, tiny_pair.target_model)
     assert len(draft.vocab_ids) == 128
+    table = evaluate_drafts(tiny_pair.target_model, shards, [out])
+    assert f"| {out} | {card['tokens_seen']:,} |" in table

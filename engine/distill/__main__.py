@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from engine.distill.training_prompts import PROMPT_SETS, VALIDATION_SET
 from engine.models.cache_dir import cache_root
 
 
@@ -33,6 +34,10 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--top-p", type=float, default=0.95)
     data.add_argument("--top-k", type=int, default=20)
     data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--prompt-set", default="templates", choices=sorted(PROMPT_SETS),
+                      help="templates (shards 0-65), broad (shards 66+, with --first-shard 66), or unseen: "
+                           "the validation prompts, written to WORK_DIR/validation for train's held-out curve")
+    data.add_argument("--first-shard", type=int, default=0, help="the shard that takes the set's first prompts")
     tr = sub.add_parser("train", help="fit the feature draft on the shards (resumes from its checkpoint)")
     tr.add_argument("--tokens", type=int, default=600_000, help="training positions to see")
     tr.add_argument("--vocab-size", type=int, default=16384, help="|V'|, the draft head's vocabulary")
@@ -42,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     tr.add_argument("--eval-every", type=int, default=50)
     ex = sub.add_parser("export", help="write the trained draft where the default pair loads it")
     ex.add_argument("--out", type=Path, default=None, help="default: the registry's DEFAULT_DRAFT_FILE")
+    ev = sub.add_parser("evaluate", help="score draft files on the unseen-prompt validation set")
+    ev.add_argument("paths", type=Path, nargs="*", help="draft safetensors (default: the shipped one)")
     cu = sub.add_parser("curve", help="print a shipped draft's held-out learning curve as a Markdown table")
     cu.add_argument("path", type=Path, nargs="?", default=None)
     args = parser.parse_args(argv)
@@ -56,13 +63,22 @@ def main(argv: list[str] | None = None) -> None:
         print(learning_curve_table(draft_card(args.path or DEFAULT_DRAFT_FILE)["history"]))
         return
 
+    if args.command == "evaluate":
+        from engine.distill.train import evaluate_drafts
+
+        print(evaluate_drafts(load_default_target().target_model, args.work_dir, args.paths or [DEFAULT_DRAFT_FILE]))
+        return
+
     if args.command == "data":
         from engine.distill.teacher_data import TeacherDataConfig, build
 
+        validation = args.prompt_set == VALIDATION_SET
         build(load_default_target(), TeacherDataConfig(
-            out_dir=args.work_dir / "data", shards=args.shards, batch_size=args.batch_size,
+            out_dir=args.work_dir / ("validation" if validation else "data"),
+            shards=1 if validation else args.shards,
+            batch_size=len(PROMPT_SETS[VALIDATION_SET]()) if validation else args.batch_size,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, seed=args.seed))
+            top_k=args.top_k, seed=args.seed, prompt_set=args.prompt_set, first_shard=args.first_shard))
     elif args.command == "train":
         from engine.distill.train import TrainConfig, train
 
@@ -79,16 +95,22 @@ def main(argv: list[str] | None = None) -> None:
 
 def learning_curve_table(history: dict, rows: int = 12) -> str:
     """Held-out top-1 agreement and Σ min(p, q) (= SpS acceptance at temperature 1 on the target's
-    top-20, teacher-forced) for drafted token 1 (real feature) and 2 (predicted feature)."""
+    top-20, teacher-forced) for drafted token 1 (real feature) and 2 (predicted feature), on the
+    validation shard, whose prompts also appear in training shards; and, once it exists, the
+    expected acceptance at the benchmark's sampling on the unseen prompts."""
     n = len(history["tokens_seen"])
     picks = sorted({round(i * (n - 1) / max(rows - 1, 1)) for i in range(rows)}) if n else []
-    lines = ["| training tokens | top-1 agreement (token 1 / 2) | Σ min(p, q) (token 1 / 2) |", "|---:|---|---|"]
+    unseen = history.get("unseen_accept_step1", [])
+    picks = sorted(set(picks) | {i for i, a in enumerate(unseen) if a is not None and i % 4 == 0})
+    lines = ["| training tokens | top-1 agreement (token 1 / 2) | Σ min(p, q) (token 1 / 2) "
+             "| unseen prompts: acceptance at T = 0.6 (token 1 / 2) |", "|---:|---|---|---|"]
     for i in picks:
+        fresh = "–" if i >= len(unseen) or unseen[i] is None else \
+            f"{unseen[i]:.3f} / {history['unseen_accept_step2'][i]:.3f}"
         lines.append(f"| {history['tokens_seen'][i]:,} | {history['agreement_step1'][i]:.3f} / "
                      f"{history['agreement_step2'][i]:.3f} | {history['overlap_step1'][i]:.3f} / "
-                     f"{history['overlap_step2'][i]:.3f} |")
+                     f"{history['overlap_step2'][i]:.3f} | {fresh} |")
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     main()

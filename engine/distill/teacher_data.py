@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from engine.distill.training_prompts import training_prompts
+from engine.distill.training_prompts import PROMPT_SETS
 from engine.models.registry import ModelPair
 from engine.sampling import SamplingParams, logits_to_probs, sample_from
 
@@ -37,8 +37,12 @@ class TeacherDataConfig:
     top_p: float = 0.95
     top_k: int = TOP_K
     seed: int = 0
+    prompt_set: str = "templates"  # a key of training_prompts.PROMPT_SETS
+    first_shard: int = 0  # shard `first_shard` takes the set's first batch of prompts
 
     def __post_init__(self) -> None:
+        if self.prompt_set not in PROMPT_SETS:
+            raise ValueError(f"unknown prompt set {self.prompt_set!r}; choose from {sorted(PROMPT_SETS)}")
         if not 0 < self.top_k <= TOP_K:
             raise ValueError(f"top_k must be in 1..{TOP_K} (the recorded top-k), got {self.top_k}")
 
@@ -113,16 +117,16 @@ def _sample_from_top(top_logprobs: torch.Tensor, top_ids: torch.Tensor, params: 
 
 
 def build(pair: ModelPair, cfg: TeacherDataConfig) -> None:
-    """Write shards 0..cfg.shards-1, skipping those already on disk; print progress."""
+    """Write shards cfg.first_shard..cfg.shards-1, skipping those already on disk; print progress."""
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    prompts = training_prompts(cfg.seed)
+    prompts = PROMPT_SETS[cfg.prompt_set](cfg.seed)
     seen = sum(sum(len(t) for t in torch.load(p)["tokens"]) for p in existing_shards(cfg.out_dir))
     start = time.perf_counter()
-    for index in range(cfg.shards):
+    for index in range(cfg.first_shard, cfg.shards):
         path = shard_path(cfg.out_dir, index)
         if path.exists():
             continue
-        lo = index * cfg.batch_size
+        lo = (index - cfg.first_shard) * cfg.batch_size
         batch = [prompts[(lo + i) % len(prompts)] for i in range(cfg.batch_size)]
         shard = generate_shard(pair, batch, cfg, index)
         tmp = path.with_suffix(".tmp")

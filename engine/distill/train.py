@@ -20,7 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.distill.teacher_data import existing_shards
-from engine.models.feature_draft import FeatureDraft
+from engine.models.feature_draft import FeatureDraft, draft_card, load_feature_draft
+from engine.sampling import SamplingParams, logits_to_probs
+
+# The benchmark's sampling: teacher-forced Σ min(p, q) under it is the expected SpS acceptance.
+BENCH_SAMPLING = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
 
 
 @dataclass
@@ -58,6 +62,15 @@ class History:
     agreement_step2: list[float] = field(default_factory=list)
     overlap_step1: list[float] = field(default_factory=list)
     overlap_step2: list[float] = field(default_factory=list)
+    # On the unseen-prompt validation set (None before it existed): top-1 agreement and the
+    # expected acceptance at the benchmark's sampling, drafted tokens 1 and 2.
+    unseen_agreement_step1: list[float | None] = field(default_factory=list)
+    unseen_accept_step1: list[float | None] = field(default_factory=list)
+    unseen_accept_step2: list[float | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("unseen_agreement_step1", "unseen_accept_step1", "unseen_accept_step2"):
+            getattr(self, name).extend([None] * (len(self.tokens_seen) - len(getattr(self, name))))
 
 
 def load_sequences(paths: list[Path]) -> list[TeacherSequence]:
@@ -115,9 +128,12 @@ class Objective:
         self.to_subset = torch.full((vocab_size,), -1, dtype=torch.long)
         self.to_subset[draft.vocab_ids] = torch.arange(len(draft.vocab_ids))
 
-    def step_loss(self, pred: torch.Tensor, batch: dict, kd_fraction: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+    def step_loss(self, pred: torch.Tensor, batch: dict, kd_fraction: float = 1.0,
+                  sampling: SamplingParams | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """Feature regression at every position; distillation (the LM head, by far the costliest
-        part) at a random `kd_fraction` of them, which keeps its gradient unbiased."""
+        part) at a random `kd_fraction` of them, which keeps its gradient unbiased. With `sampling`,
+        the metrics add "accept": Σ min(p, q) with both models under those settings, as SpS
+        computes it (the draft over V', the target over its recorded top-20)."""
         mask = batch["mask"].bool()
         feat = F.smooth_l1_loss(pred[mask], batch["target"][mask], reduction="none").mean()
         chosen = mask & (torch.rand(mask.shape) < kd_fraction) if kd_fraction < 1 else mask
@@ -130,20 +146,25 @@ class Objective:
         with torch.no_grad():
             agree = (sub[:, 0] == logq.argmax(-1)).float().mean()
             overlap = torch.minimum(p, logq_top.exp() * inside).sum(-1).mean()
-        return kd + self.feature_weight * feat, {"agree": float(agree), "overlap": float(overlap)}
+            metrics = {"agree": float(agree), "overlap": float(overlap)}
+            if sampling is not None:
+                q = logits_to_probs(logq, sampling).gather(-1, sub.clamp_min(0)) * inside
+                p_sampled = logits_to_probs(batch["lps"][chosen], sampling)
+                metrics["accept"] = float(torch.minimum(p_sampled, q).sum(-1).mean())
+        return kd + self.feature_weight * feat, metrics
 
-    def losses(self, batch: dict, noise: float = 0.0, kd_fraction: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+    def losses(self, batch: dict, noise: float = 0.0, kd_fraction: float = 1.0,
+               sampling: SamplingParams | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         prev = batch["prev"]
         if noise:
             rms = prev.pow(2).mean(-1, keepdim=True).sqrt()
             prev = prev + (torch.rand_like(prev) * 2 - 1) * noise * rms
         pred1 = self.draft.features(batch["tokens"], prev)
-        loss1, m1 = self.step_loss(pred1, batch, kd_fraction)
+        loss1, m1 = self.step_loss(pred1, batch, kd_fraction, sampling)
         prev2 = torch.cat([prev[:, :1], pred1[:, :-1].detach()], dim=1)
         pred2 = self.draft.features(batch["tokens"], prev2)
-        loss2, m2 = self.step_loss(pred2, batch, kd_fraction)
-        return loss1 + loss2, {"agree1": m1["agree"], "agree2": m2["agree"],
-                               "overlap1": m1["overlap"], "overlap2": m2["overlap"]}
+        loss2, m2 = self.step_loss(pred2, batch, kd_fraction, sampling)
+        return loss1 + loss2, {f"{key}{step}": value for step, m in ((1, m1), (2, m2)) for key, value in m.items()}
 
 
 def train(target, cfg: TrainConfig, log=print) -> Path:
@@ -175,7 +196,10 @@ def train(target, cfg: TrainConfig, log=print) -> Path:
         f"{coverage:.1%} of the target's top-1 tokens on validation")
     positions_per_sequence = sum(len(s.tokens) - s.first_loss_position for s in train_set) / len(train_set)
     total_steps = math.ceil(cfg.tokens / (positions_per_sequence * cfg.batch_sequences))
-    valid_batches = [_batch(valid[i:i + cfg.batch_sequences]) for i in range(0, len(valid), cfg.batch_sequences)]
+    valid_batches = _batches(valid, cfg.batch_sequences)
+    unseen_batches = validation_batches(cfg.work_dir, cfg.batch_sequences)
+    if not unseen_batches:
+        log("no unseen-prompt validation set yet (`python -m engine.distill data --prompt-set unseen`)")
     start, running = time.perf_counter(), []
     while step < total_steps:
         if offset >= len(train_set):  # a new epoch also picks up shards written since the last one
@@ -207,10 +231,16 @@ def train(target, cfg: TrainConfig, log=print) -> Path:
             history.agreement_step2.append(metrics["agree2"])
             history.overlap_step1.append(metrics["overlap1"])
             history.overlap_step2.append(metrics["overlap2"])
+            unseen = evaluate(objective, unseen_batches, BENCH_SAMPLING) if unseen_batches else {}
+            history.unseen_agreement_step1.append(unseen.get("agree1"))
+            history.unseen_accept_step1.append(unseen.get("accept1"))
+            history.unseen_accept_step2.append(unseen.get("accept2"))
             running = []
             log(f"step {step}/{total_steps}  tokens {seen}  loss {history.train_loss[-1]:.3f}  held-out top-1 "
                 f"agreement {metrics['agree1']:.3f} (step 1) / {metrics['agree2']:.3f} (step 2)  Σmin(p,q) "
-                f"{metrics['overlap1']:.3f} / {metrics['overlap2']:.3f}  lr {lr:.2e}  "
+                f"{metrics['overlap1']:.3f} / {metrics['overlap2']:.3f}  "
+                + (f"unseen prompts: top-1 {unseen['agree1']:.3f}, acceptance at T=0.6 {unseen['accept1']:.3f} / "
+                   f"{unseen['accept2']:.3f}  " if unseen else "") + f"lr {lr:.2e}  "
                 f"{time.perf_counter() - start:.0f} s")
             tmp = ckpt_path.with_suffix(".tmp")
             torch.save({"draft": draft.trainable_state(), "optimizer": opt.state_dict(), "step": step,
@@ -220,14 +250,23 @@ def train(target, cfg: TrainConfig, log=print) -> Path:
     return ckpt_path
 
 
+def _batches(seqs: list[TeacherSequence], size: int) -> list[dict]:
+    return [_batch(seqs[i:i + size]) for i in range(0, len(seqs), size)]
+
+
+def validation_batches(work_dir: Path, size: int = 8) -> list[dict]:
+    """The unseen-prompt validation set (`data --prompt-set unseen`), or [] before it exists."""
+    return _batches(load_sequences(existing_shards(work_dir / "validation")), size)
+
+
 @torch.no_grad()
-def evaluate(objective: Objective, batches: list[dict]) -> dict[str, float]:
+def evaluate(objective: Objective, batches: list[dict], sampling: SamplingParams | None = None) -> dict[str, float]:
     objective.draft.eval()
     totals: dict[str, float] = {}
     weight = 0.0
     for batch in batches:
         n = float(batch["mask"].sum())
-        _, metrics = objective.losses(batch)
+        _, metrics = objective.losses(batch, sampling=sampling)
         for key, value in metrics.items():
             totals[key] = totals.get(key, 0.0) + value * n
         weight += n
@@ -247,3 +286,19 @@ def export(target, work_dir: Path, out_path: Path, description: str) -> dict:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     draft.save(out_path, card)
     return card
+
+
+def evaluate_drafts(target, work_dir: Path, paths: list[Path]) -> str:
+    """A Markdown table of each draft's teacher-forced scores on the unseen-prompt validation set."""
+    batches = validation_batches(work_dir)
+    if not batches:
+        raise ValueError(f"no validation set in {work_dir / 'validation'}: run "
+                         "`python -m engine.distill data --prompt-set unseen` first")
+    lines = ["| draft | training tokens | top-1 agreement (token 1 / 2) | acceptance at T = 0.6 (token 1 / 2) |",
+             "|---|---:|---|---|"]
+    for path in paths:
+        draft = load_feature_draft(path, target)
+        m = evaluate(Objective(draft, target.config.vocab_size, 0.0), batches, BENCH_SAMPLING)
+        lines.append(f"| {path} | {draft_card(path).get('tokens_seen', 0):,} | {m['agree1']:.3f} / {m['agree2']:.3f} "
+                     f"| {m['accept1']:.3f} / {m['accept2']:.3f} |")
+    return "\n".join(lines)

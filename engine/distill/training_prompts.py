@@ -91,3 +91,100 @@ def training_prompts(seed: int = 0) -> list[str]:
     prompts = [p for p in prompts if p not in held_out]
     random.Random(seed).shuffle(prompts)
     return prompts
+
+
+# The broad set (session 7). The template set above repeats 1,222 prompts across its shards, and a
+# draft trained on it partly memorises the target's answers to them: teacher-forced acceptance on
+# those prompts ran 0.63 against 0.46 on the held-out benchmark prompts. These prompts widen the
+# phrasing and the subjects, and each is used once.
+BROAD_SUBJECTS = [
+    "compound interest", "the French language", "a vegetable garden", "public speaking", "a used car",
+    "jet lag", "the violin", "chess openings", "home insulation", "a wedding toast", "bird watching",
+    "credit scores", "meditation", "the Pythagorean theorem", "machine learning", "a camping trip",
+    "houseplants", "a small business", "sourdough bread", "a rainy weekend", "the Spanish flu",
+    "electric cars", "the stock exchange", "photosynthesis in algae", "a marathon", "renting an apartment",
+    "a job offer", "a cover letter", "time zones", "the Fibonacci sequence", "recursion", "unit tests",
+    "git branches", "a REST API", "regular expressions", "a linked list", "spreadsheets", "passwords",
+    "phishing emails", "a birthday party", "a road trip", "a museum visit", "learning to swim",
+    "knitting", "a book club", "the Great Depression", "the Maya civilization", "the Nile river",
+    "volunteering", "a science fair project", "origami", "stargazing", "tea", "coffee brewing",
+    "a first aid kit", "wildfires", "snow", "the human skeleton", "vitamins", "a family reunion",
+    "a noisy neighbour", "a late homework assignment", "a team meeting", "procrastination",
+    "a long flight", "a rainy day at the beach", "a treehouse", "an old photograph", "a lighthouse",
+    "a street market", "a broken umbrella", "a village festival", "a winter storm", "a new puppy",
+    "bicycle repair", "a leaky faucet", "the piano", "jazz", "impressionist painting", "haiku",
+    "the Beatles", "the Moon", "Mars", "comets", "the Sahara", "the Arctic", "octopuses", "elephants",
+    "ants", "owls", "sharks", "the human eye", "memory", "habits", "gratitude", "a difficult conversation",
+]
+BROAD_TEMPLATES = [
+    "What should I know about {t}?", "Give me five facts about {t}.", "Explain {t} in one paragraph.",
+    "How would you explain {t} to a beginner?", "List the pros and cons of {t}.",
+    "Write a short poem about {t}.", "Write a limerick about {t}.", "Tell me a short story involving {t}.",
+    "Write a diary entry about {t}.", "Write an email to a friend about {t}.",
+    "Write a short speech about {t}.", "What questions should I ask about {t}?",
+    "Give me a step-by-step guide to {t}.", "What is a common misconception about {t}?",
+    "Compare {t} with something similar.", "Write a product description for something related to {t}.",
+    "Write a short dialogue about {t}.", "Summarize {t} in three bullet points.",
+    "Why do people care about {t}?", "What are the first steps to learn about {t}?",
+    "Write a haiku about {t}.", "Write a news headline and a short article about {t}.",
+    "I'm curious about {t}. Where do I start?", "What would a child find interesting about {t}?",
+    "Write a quiz with three questions about {t}.", "Describe {t} using simple words.",
+    "What is the history behind {t}?", "Give me a fun fact about {t} and explain it.",
+    "Write a motivational message about {t}.", "What are some tips for dealing with {t}?",
+    "Write a letter to your future self about {t}.", "Write a short blog post about {t}.",
+]
+CODE_TASKS = [
+    "parses a CSV line into fields", "checks if a year is a leap year", "counts the lines in a file",
+    "returns the n-th triangular number", "finds all even numbers in a list", "zips two lists into a dictionary",
+    "computes the average of a list", "checks balanced parentheses", "converts a string to title case",
+    "finds the longest word in a sentence", "computes a running total", "removes whitespace from a string",
+    "implements a queue with two stacks", "checks if a list is sorted", "finds the mode of a list",
+    "converts minutes to hours and minutes", "generates a random password", "computes the power set of a list",
+    "merges two dictionaries", "counts the characters in a string", "finds the index of an element",
+    "converts a dictionary to a JSON string", "chunks a list into pieces of size n", "reverses the words in a sentence",
+]
+CODE_TEMPLATES = [
+    "Write a Python function that {t}.", "How do I write code that {t}? Use Python.",
+    "Write a Rust function that {t}.", "Write a Java method that {t}.", "Write a Go function that {t}.",
+    "Write a TypeScript function that {t}.", "Explain and implement a function that {t}.",
+    "Write a shell script that {t}.", "Give me a one-line Python expression that {t}.",
+    "Write a Python class whose method {t}.", "Write pseudocode for an algorithm that {t}.",
+    "Fix and explain a buggy Python function that {t}.",
+]
+
+# Prompts no training set uses, with their own templates and subjects: the draft's held-out
+# curve on them measures generalisation, not memorised answers.
+UNSEEN_SUBJECTS = [
+    "a rainy Monday", "quantum computers", "a lemonade stand", "the Titanic", "a broken laptop",
+    "mountain climbing", "the printing of money", "a lost wallet", "the Aztecs", "a school play",
+    "wind turbines", "a fishing trip", "a surprise gift", "cheese making", "the human liver", "lightning",
+]
+UNSEEN_TEMPLATES = [
+    "Could you write a few sentences about {t}?", "Teach me something about {t}.",
+    "Write a two-paragraph story that starts with {t}.", "What would you tell a friend about {t}?",
+]
+UNSEEN_CODE = [
+    "Write a Python function that returns the digits of a number in reverse order.",
+    "Write a Python function that counts how many times each letter appears in a word.",
+    "Write a JavaScript function that capitalizes the first letter of a string.",
+    "Write a Python function that returns the sum of the squares of a list.",
+]
+
+
+def broad_prompts(seed: int = 0) -> list[str]:
+    """The broad set: subjects × open templates, plus code tasks × languages and phrasings."""
+    held_out = set(held_out_prompts()) | set(unseen_prompts())
+    prompts = [template.format(t=subject) for template in BROAD_TEMPLATES for subject in BROAD_SUBJECTS]
+    prompts += [template.format(t=task) for template in CODE_TEMPLATES for task in CODE_TASKS]
+    prompts = [p for p in prompts if p not in held_out]
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+def unseen_prompts() -> list[str]:
+    """The validation prompts: templates and subjects used by no training set."""
+    return [template.format(t=subject) for template in UNSEEN_TEMPLATES for subject in UNSEEN_SUBJECTS] + UNSEEN_CODE
+
+
+PROMPT_SETS = {"templates": training_prompts, "broad": broad_prompts, "unseen": lambda seed=0: unseen_prompts()}
+VALIDATION_SET = "unseen"  # written to its own folder, never trained on
