@@ -1,8 +1,10 @@
-"""`python -m engine.distill data|train|export`: build the default draft, resumably.
+"""`python -m engine.distill data|train|export|curve|evaluate`: build the default draft, resumably.
 
-    python -m engine.distill data    # the target's own answers to training prompts (shards)
-    python -m engine.distill train   # fit the feature draft, checkpointing as it goes
-    python -m engine.distill export  # write the shipped safetensors into assets/
+    python -m engine.distill data      # the target's own answers to training prompts (shards)
+    python -m engine.distill data --prompt-set unseen   # the validation prompts no training set uses
+    python -m engine.distill train     # fit the feature draft, checkpointing as it goes
+    python -m engine.distill export    # write the shipped safetensors into assets/
+    python -m engine.distill evaluate  # score draft files on the unseen prompts
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def learning_curve_table(history: dict, rows: int = 12) -> str:
                      f"{history['agreement_step2'][i]:.3f} | {history['overlap_step1'][i]:.3f} / "
                      f"{history['overlap_step2'][i]:.3f} | {fresh} |")
     return "\n".join(lines)
+
 
 if __name__ == "__main__":
     main()
