@@ -35,6 +35,7 @@ from engine.models.embedded import gguf_path
 from engine.models.fast_llama import WEIGHT_DTYPES
 from engine.models.registry import BACKENDS, DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS, GENERIC_K, PAIRS, ModelPair, load_pair
 from engine.prompts import held_out_prompts
+from engine.sampling import REPORTED_SAMPLING
 
 PEER_METHODS = ("hf-ar", "hf-assisted", "llama.cpp")
 UNDRAFTED = ("ar", "hf-ar", "llama.cpp")  # rows that do not depend on K
@@ -245,7 +246,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="comma list of hf-ar, hf-assisted, llama.cpp (needs llama-cpp-python) ('' for none)")
     # The sampling every default-pair number is reported at (the draft issue's setting), so that a
     # command copied from a model card reproduces its numbers without extra flags.
-    add_spec_arguments(ap, k_sweep=True, top_p=0.95, top_k=20)
+    add_spec_arguments(ap, k_sweep=True, temperature=REPORTED_SAMPLING.temperature, top_p=REPORTED_SAMPLING.top_p,
+                       top_k=REPORTED_SAMPLING.top_k)
     ssd = ap.add_argument_group("SSD (method ssd)")
     ssd.add_argument("--devices", default="", help="target=<dev>,draft=<dev> with dev cpu:N, cpu:N-M or cuda:N "
                      "(default: the draft gets the last core, the target the others)")

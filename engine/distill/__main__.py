@@ -16,6 +16,7 @@ import torch
 
 from engine.distill.training_prompts import PROMPT_SETS, VALIDATION_SET
 from engine.models.cache_dir import cache_root
+from engine.sampling import REPORTED_SAMPLING
 
 
 DRAFT_DESCRIPTION = "SmolLM2-135M feature draft (EAGLE-style, 1 layer, distilled)"
@@ -32,9 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--shards", type=int, default=40)
     data.add_argument("--batch-size", type=int, default=64)
     data.add_argument("--max-new-tokens", type=int, default=192)
-    data.add_argument("--temperature", type=float, default=0.6)
-    data.add_argument("--top-p", type=float, default=0.95)
-    data.add_argument("--top-k", type=int, default=20)
+    data.add_argument("--temperature", type=float, default=REPORTED_SAMPLING.temperature)
+    data.add_argument("--top-p", type=float, default=REPORTED_SAMPLING.top_p)
+    data.add_argument("--top-k", type=int, default=REPORTED_SAMPLING.top_k)
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--prompt-set", default="templates", choices=sorted(PROMPT_SETS),
                       help="templates (shards 0-65), broad (shards 66+, with --first-shard 66), or unseen: "

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 from engine.distill.training_prompts import PROMPT_SETS
 from engine.models.registry import ModelPair
-from engine.sampling import SamplingParams, logits_to_probs, sample_from
+from engine.sampling import REPORTED_SAMPLING, SamplingParams, logits_to_probs, sample_from
 
 TOP_K = 20
 
@@ -33,9 +33,9 @@ class TeacherDataConfig:
     # The benchmark's sampling (temperature 0.6, top-p 0.95, top-k 20): the draft learns the text
     # it will be asked to draft. top-k ≤ TOP_K, so a token is drawn from the recorded top-k alone,
     # which also spares a sort over the full vocabulary at every step.
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = TOP_K
+    temperature: float = REPORTED_SAMPLING.temperature
+    top_p: float = REPORTED_SAMPLING.top_p
+    top_k: int = REPORTED_SAMPLING.top_k
     seed: int = 0
     prompt_set: str = "templates"  # a key of training_prompts.PROMPT_SETS
     first_shard: int = 0  # shard `first_shard` takes the set's first batch of prompts

@@ -21,10 +21,7 @@ import torch.nn.functional as F
 
 from engine.distill.teacher_data import existing_shards
 from engine.models.feature_draft import FeatureDraft, draft_card, load_feature_draft
-from engine.sampling import SamplingParams, logits_to_probs
-
-# The benchmark's sampling: teacher-forced Σ min(p, q) under it is the expected SpS acceptance.
-BENCH_SAMPLING = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
+from engine.sampling import REPORTED_SAMPLING, SamplingParams, logits_to_probs
 
 
 @dataclass
@@ -231,7 +228,7 @@ def train(target, cfg: TrainConfig, log=print) -> Path:
             history.agreement_step2.append(metrics["agree2"])
             history.overlap_step1.append(metrics["overlap1"])
             history.overlap_step2.append(metrics["overlap2"])
-            unseen = evaluate(objective, unseen_batches, BENCH_SAMPLING) if unseen_batches else {}
+            unseen = evaluate(objective, unseen_batches, REPORTED_SAMPLING) if unseen_batches else {}
             history.unseen_agreement_step1.append(unseen.get("agree1"))
             history.unseen_accept_step1.append(unseen.get("accept1"))
             history.unseen_accept_step2.append(unseen.get("accept2"))
@@ -298,7 +295,7 @@ def evaluate_drafts(target, work_dir: Path, paths: list[Path]) -> str:
              "|---|---:|---|---|"]
     for path in paths:
         draft = load_feature_draft(path, target)
-        m = evaluate(Objective(draft, target.config.vocab_size, 0.0), batches, BENCH_SAMPLING)
+        m = evaluate(Objective(draft, target.config.vocab_size, 0.0), batches, REPORTED_SAMPLING)
         lines.append(f"| {path} | {draft_card(path).get('tokens_seen', 0):,} | {m['agree1']:.3f} / {m['agree2']:.3f} "
                      f"| {m['accept1']:.3f} / {m['accept2']:.3f} |")
     return "\n".join(lines)
