@@ -20,14 +20,14 @@ from collections.abc import Iterator, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.acceptance import RandomDraws, VerifyResult, cactus_h, verify
+from engine.acceptance import RandomDraws, VerifyResult, cactus_h, verify_on_support
 from engine.config import SpecConfig
 from engine.detokenize import IncrementalDetokenizer
 from engine.drafters import Drafter, Proposal
 from engine.events import Candidate, FinishEvent, RoundEvent, StartEvent, TokenEvent
 from engine.metrics import SpecMetrics
 from engine.models.causal_lm import CausalLM
-from engine.sampling import logits_to_probs
+from engine.sampling import dense_probs, sparse_probs
 
 Event = StartEvent | TokenEvent | RoundEvent | FinishEvent
 
@@ -108,16 +108,7 @@ def generate(
         pending_logits = None
         verify_seconds = target.forward_seconds - verify_before
 
-        target_probs = logits_to_probs(logits, params)
-        # The draft may live on another device; the rule runs where the target's probabilities are.
-        proposal = Proposal(proposal.tokens, proposal.probs.to(target_probs.device))
-        draft_tokens = torch.tensor([proposal.tokens], dtype=torch.long, device=target_probs.device)
-        result = verify(
-            "sps" if cfg.method == "ar" else cfg.method,
-            target_probs.unsqueeze(0), proposal.probs.unsqueeze(0), draft_tokens,
-            delta=cfg.delta, posterior_threshold=cfg.posterior_threshold, posterior_alpha=cfg.posterior_alpha,
-            draws=RandomDraws.draw(1, k, generator),
-        )
+        target_probs, proposal, result = apply_rule(logits, proposal, cfg, generator)
         num_accepted = int(result.num_accepted[0])
         target.rollback(len(context) + num_accepted)
         if observes and feed:
@@ -170,6 +161,24 @@ def generate(
 
     elapsed = time.perf_counter() - start
     yield FinishEvent(reason, detok.text(), tuple(generated), metrics.summary(elapsed, prefill_seconds))
+
+
+def apply_rule(logits: torch.Tensor, proposal: Proposal, cfg: SpecConfig,
+               generator: torch.Generator) -> tuple[torch.Tensor, Proposal, VerifyResult]:
+    """One round's verdict from the target's logits [K+1, V] at the verified positions: the target's
+    probabilities under the round's sampling, the proposal moved to their device (the draft may
+    live elsewhere) and the acceptance rule's result. AR is SpS with K = 0."""
+    support, kept = sparse_probs(logits, cfg.sampling)
+    target_probs = dense_probs(support, kept, logits.shape[-1])
+    proposal = Proposal(proposal.tokens, proposal.probs.to(target_probs.device))
+    draft_tokens = torch.tensor([proposal.tokens], dtype=torch.long, device=target_probs.device)
+    result = verify_on_support(
+        "sps" if cfg.method == "ar" else cfg.method,
+        target_probs.unsqueeze(0), proposal.probs.unsqueeze(0), draft_tokens, support,
+        delta=cfg.delta, posterior_threshold=cfg.posterior_threshold, posterior_alpha=cfg.posterior_alpha,
+        draws=RandomDraws.draw(1, len(proposal.tokens), generator),
+    )
+    return target_probs, proposal, result
 
 
 def _token_events(cfg: SpecConfig, result: VerifyResult, target_probs: torch.Tensor, proposal: Proposal, new_tokens: list[int],

@@ -19,7 +19,7 @@ from engine.drafters import Drafter, Proposal, ProposalShape
 from engine.models.causal_lm import CausalLM
 from engine.models.fast_llama import PackedLinear
 from engine.models.feature_draft import FeatureDraft
-from engine.sampling import SamplingParams, logits_to_probs, sample_from
+from engine.sampling import SamplingParams, dense_probs, logits_to_probs, sample_from, sparse_probs
 
 
 class FeatureDrafter(Drafter):
@@ -38,7 +38,10 @@ class FeatureDrafter(Drafter):
             self.embed = draft.model.model.embed_tokens.weight.detach()
             self.fc = PackedLinear(draft.fc.weight, dtype)
             self.head = PackedLinear(head if full_head else head[draft.vocab_ids], dtype)
-        self._features = torch.empty(0, self.embed.shape[1])  # real target features f_0..f_{F-1}
+        # Real target features f_0..f_{F-1} in the first F rows of a buffer that doubles when full
+        # (appending by concatenation would copy the whole history every round).
+        self._feature_rows = torch.empty(256, self.embed.shape[1])
+        self._num_features = 0
         self._entries: list[int] = []  # t_j of each draft KV entry j-1 (entry i is position i+1)
         self._outputs: list[torch.Tensor] = []  # f̂ of each entry
         self._real_entries = 0  # leading entries computed from real target features
@@ -46,7 +49,7 @@ class FeatureDrafter(Drafter):
 
     def start(self) -> None:
         self.lm.reset()
-        self._features = torch.empty(0, self.embed.shape[1])
+        self._num_features = 0
         self._entries, self._outputs, self._real_entries = [], [], 0
 
     @property
@@ -55,9 +58,15 @@ class FeatureDrafter(Drafter):
         return self.lm.forward_seconds + self._extra_seconds
 
     def observe_target(self, start: int, hidden: torch.Tensor) -> None:
-        if start > len(self._features):
-            raise ValueError(f"target features jump from position {len(self._features)} to {start}")
-        self._features = torch.cat([self._features[:start], hidden.detach().float().cpu()])
+        if start > self._num_features:
+            raise ValueError(f"target features jump from position {self._num_features} to {start}")
+        end = start + hidden.shape[0]
+        if end > len(self._feature_rows):
+            grown = torch.empty(max(end, 2 * len(self._feature_rows)), self._feature_rows.shape[1])
+            grown[:start] = self._feature_rows[:start]
+            self._feature_rows = grown
+        self._feature_rows[start:end] = hidden.detach()
+        self._num_features = end
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: torch.Tensor) -> Proposal:
@@ -124,7 +133,7 @@ class FeatureDrafter(Drafter):
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Bring the draft KV to entries for positions 1..len(context)-1; return f̂ of the last one."""
         m = len(context) - 1
-        known = len(self._features)
+        known = self._num_features
         keep = 0  # leading entries whose token matches and whose input feature was a real one
         limit = min(len(self._entries), m - 1, self._real_entries, known)
         while keep < limit and self._entries[keep] == context[keep + 1]:
@@ -133,7 +142,7 @@ class FeatureDrafter(Drafter):
         del self._entries[keep:], self._outputs[keep:]
         real_end = min(m, known)
         if real_end > keep:  # one batched forward over every entry with a real input feature
-            self._feed(context[keep + 1:real_end + 1], self._features[keep:real_end])
+            self._feed(context[keep + 1:real_end + 1], self._feature_rows[keep:real_end])
         self._real_entries = max(keep, real_end)
         for j in range(len(self._entries) + 1, m + 1):  # beyond the target's features: the draft's own f̂
             if not self._outputs:
@@ -159,9 +168,10 @@ class FeatureDrafter(Drafter):
                 uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw one token per row: (tokens [n], full-vocabulary probabilities [n, V]).
 
-        With a reduced head the sampling runs over V' alone and is scattered back: outside V' the
-        logits are -inf, so temperature, top-k and top-p select the same tokens, and the inverse-CDF
-        draw picks the same one (the zeros add nothing to the CDF) at a third of the work.
+        With a reduced head the sampling runs over the tokens V' keeps (top-k of them, usually) and
+        is scattered back: outside V' the logits are -inf, so temperature, top-k and top-p select the
+        same tokens, and drawing over them in vocabulary order picks the same one as the
+        full-vocabulary draw (zeros add nothing to the CDF) at a fraction of the work.
         """
         if self.head_ids is None:
             probs = logits_to_probs(self._logits(features), params)
@@ -169,9 +179,13 @@ class FeatureDrafter(Drafter):
         start = time.perf_counter()
         logits = self.head(features)
         self._extra_seconds += time.perf_counter() - start
-        subset = logits_to_probs(logits, params)
-        probs = torch.zeros(features.shape[0], self.vocab_size).index_copy_(1, self.head_ids, subset)
-        return self.head_ids[sample_from(subset, uniforms)], probs
+        ids, kept = sparse_probs(logits, params)
+        if ids is None:  # no top-k: any token of V' may be drawn
+            ids = torch.arange(logits.shape[-1]).expand_as(kept)
+        tokens, order = self.head_ids[ids].sort(dim=-1)
+        kept = kept.gather(-1, order)
+        drawn = tokens.gather(-1, sample_from(kept, uniforms).unsqueeze(-1)).squeeze(-1)
+        return drawn, dense_probs(tokens, kept, self.vocab_size)
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [n, V]; a reduced head leaves -inf (zero probability) outside V'."""

@@ -43,28 +43,48 @@ class SamplingParams:
 REPORTED_SAMPLING = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
 
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Turn raw logits [..., V] into the float32 probabilities both models are sampled from.
+def sparse_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The temperature → top-k → top-p distribution in its cheapest exact form.
 
-    With top-k, everything after one `topk` happens on k values and is scattered back, so the
-    per-row cost is one pass over the vocabulary; only top-p without top-k needs a full sort.
+    Returns (ids [..., w], probs [..., w]) when greedy or top-k bounds every row's support to w < V
+    tokens (ids sorted by probability, largest first; top-p may zero some of them), else
+    (None, probs [..., V]). Temperature is applied after the top-k selection, which it cannot
+    change, so the common top-k case touches the whole vocabulary once.
     """
     logits = logits.float()
-    if params.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    logits = logits / params.temperature
     vocab = logits.shape[-1]
-    if not 0 < params.top_k < vocab and params.top_p >= 1.0:
-        return torch.softmax(logits, dim=-1)
-    width = params.top_k if 0 < params.top_k < vocab else vocab
-    values, indices = torch.topk(logits, width, dim=-1)  # sorted, largest first
+    if params.greedy:
+        ids = logits.argmax(dim=-1, keepdim=True)
+        return ids, torch.ones(ids.shape, device=ids.device)
+    if not 0 < params.top_k < vocab:
+        values, ids = logits / params.temperature, None
+        if params.top_p >= 1.0:
+            return None, torch.softmax(values, dim=-1)
+        values, ids = torch.sort(values, dim=-1, descending=True)
+    else:
+        values, ids = torch.topk(logits, params.top_k, dim=-1)  # sorted, largest first
+        values = values / params.temperature
     kept = torch.softmax(values, dim=-1)
     if params.top_p < 1.0:
         # Keep the smallest prefix whose mass reaches top_p (always at least the first token).
         mass_before = torch.cumsum(kept, dim=-1) - kept
         kept = kept.masked_fill(mass_before >= params.top_p, 0.0)
         kept = kept / kept.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(logits).scatter_(-1, indices, kept)
+    if not 0 < params.top_k < vocab:
+        return None, torch.zeros_like(logits).scatter_(-1, ids, kept)
+    return ids, kept
+
+
+def dense_probs(ids: torch.Tensor | None, probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`sparse_probs`'s result as full-vocabulary probabilities [..., vocab]."""
+    if ids is None:
+        return probs
+    return torch.zeros(*probs.shape[:-1], vocab, device=probs.device).scatter_(-1, ids, probs)
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn raw logits [..., V] into the float32 probabilities both models are sampled from."""
+    return dense_probs(*sparse_probs(logits, params), logits.shape[-1])
 
 
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.acceptance import (RandomDraws, binary_kl, cactus_gamma, induced_distribution, kl_divergence,
-                               tas_threshold, verify)
+                               tas_threshold, verify, verify_on_support)
 from tests.stats import matches
 
 V = 12
@@ -109,6 +109,27 @@ def test_cactus_delta_zero_equals_sps_bit_for_bit():
     loose = verify("cactus", *args, draws=draws, delta=0.5)
     assert bool((loose.num_accepted >= sps.num_accepted).all())
     assert loose.num_accepted.float().mean() > sps.num_accepted.float().mean()
+
+
+@pytest.mark.parametrize("method", ["sps", "cactus", "tas"])
+def test_verify_on_the_targets_support_equals_the_full_vocabulary(method):
+    """Truncated targets (top-k) and full drafts on a wider vocabulary: restricting the rule to
+    supp(T) ∪ drafted tokens gives the same tokens and statistics for the same draws."""
+    from engine.sampling import SamplingParams, dense_probs, sparse_probs
+
+    n, k, vocab = 4000, 3, 64
+    gen = torch.Generator().manual_seed(3)
+    support, kept = sparse_probs(2 * torch.randn(n, k + 1, vocab, generator=gen), SamplingParams(0.8, 6, 0.9))
+    target = dense_probs(support, kept, vocab)
+    draft = 0.6 * target[:, :k] + 0.4 * random_dists(gen, n * k, vocab).view(n, k, vocab)  # full support
+    tokens = torch.multinomial(draft.view(-1, vocab), 1, generator=gen).view(n, k)
+    draws = RandomDraws.draw(n, k, gen)
+    full = verify(method, target, draft, tokens, draws=draws, delta=0.3)
+    narrow = verify_on_support(method, target, draft, tokens, support, draws=draws, delta=0.3)
+    assert full.num_accepted.float().mean() > 0.2 and torch.equal(full.num_accepted, narrow.num_accepted)
+    assert torch.equal(full.next_tokens, narrow.next_tokens)
+    for name in ("acceptance_probs", "kl", "target_entropy", "draft_token_probs"):
+        assert torch.allclose(getattr(full, name), getattr(narrow, name), atol=1e-6), name
 
 
 def test_sps_induced_distribution_is_the_target():

@@ -164,3 +164,23 @@ def test_branch_tree_matches_one_branch_at_a_time(feature_pair):
     rows = drafter.score(tokens, spec)
     first = drafter.propose(tokens, 1, SamplingParams(temperature=1.0), torch.rand(1)).probs[0]
     torch.testing.assert_close(torch.softmax(rows[0], -1), first, rtol=1e-4, atol=1e-6)
+
+
+def test_features_observed_a_round_at_a_time_past_the_buffer_match_one_observation(feature_pair, backend):
+    """The feature buffer grows past its first 256 rows while rounds observe a few features each
+    and roll some back: drafting then matches a drafter that observed them all at once."""
+    tokens = feature_pair.encode_prompt("a long feature draft test") + [(7 * i) % 97 + 3 for i in range(300)]
+    feats = _features(feature_pair, backend, tokens)
+    params = SamplingParams(temperature=0.9)
+    u = torch.rand(2)
+    a = feature_pair.make_drafter("model", backend)
+    a.start()
+    for start in range(0, len(tokens) - 3, 5):
+        a.observe_target(start, feats[start:start + 7])  # the last two are overwritten by the next round
+    a.observe_target(len(tokens) - 8, feats[-8:])
+    b = feature_pair.make_drafter("model", backend)
+    b.start()
+    b.observe_target(0, feats)
+    pa, pb = a.propose(tokens, 2, params, u), b.propose(tokens, 2, params, u)
+    assert pa.tokens == pb.tokens
+    torch.testing.assert_close(pa.probs, pb.probs, rtol=1e-4, atol=1e-6)

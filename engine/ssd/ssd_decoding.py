@@ -27,16 +27,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.acceptance import RandomDraws, verify
 from engine.config import SpecConfig
-from engine.decoding import _token_events
+from engine.decoding import _token_events, apply_rule
 from engine.detokenize import IncrementalDetokenizer
 from engine.drafters import Drafter, Proposal
 from engine.events import FinishEvent, RoundEvent, SSDRoundEvent, StartEvent, TimelineSpan, TokenEvent, WorkerEvent
 from engine.metrics import SpecMetrics, SSDMetrics
 from engine.models.causal_lm import CausalLM, HFCausalLM
 from engine.models.registry import DEFAULT_FAST_WEIGHTS, ModelPair
-from engine.sampling import logits_to_probs
 from engine.ssd.backups import resolve_backup
 from engine.ssd.devices import DeviceSpec, default_devices, parse_device, pinned
 from engine.ssd.fanout import FanoutPlanner
@@ -391,12 +389,7 @@ class SSDEngine:
         if row.pending_logits is not None:
             logits = torch.cat([row.pending_logits, logits])
         row.pending_logits = None
-        target_probs = logits_to_probs(logits, params)
-        proposal = Proposal(proposal.tokens, proposal.probs.to(target_probs.device))
-        result = verify(cfg.method, target_probs.unsqueeze(0), proposal.probs.unsqueeze(0),
-                        torch.tensor([proposal.tokens], dtype=torch.long, device=target_probs.device),
-                        delta=cfg.delta, posterior_threshold=cfg.posterior_threshold,
-                        posterior_alpha=cfg.posterior_alpha, draws=RandomDraws.draw(1, k, row.generator))
+        target_probs, proposal, result = apply_rule(logits, proposal, cfg, row.generator)
         num_accepted = int(result.num_accepted[0])
         row.target.rollback(len(row.context) + num_accepted)
         if row.target.keep_hidden and feed:
