@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     tr.add_argument("--batch-sequences", type=int, default=8)
     tr.add_argument("--lr", type=float, default=6e-4)
     tr.add_argument("--eval-every", type=int, default=50)
+    tr.add_argument("--accept-weight", type=float, default=0.0,
+                    help="weight of 1 - expected acceptance at the reported sampling (total variation) in the loss")
     ex = sub.add_parser("export", help="write the trained draft where the default pair loads it")
     ex.add_argument("--out", type=Path, default=None, help="default: the registry's DEFAULT_DRAFT_FILE")
     ev = sub.add_parser("evaluate", help="score draft files on the unseen-prompt validation set")
@@ -87,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
 
         train(load_default_target().target_model, TrainConfig(
             work_dir=args.work_dir, tokens=args.tokens, vocab_size=args.vocab_size, num_layers=args.layers,
-            batch_sequences=args.batch_sequences, lr=args.lr, eval_every=args.eval_every))
+            batch_sequences=args.batch_sequences, lr=args.lr, eval_every=args.eval_every,
+            accept_weight=args.accept_weight))
     elif args.command == "export":
         from engine.distill.train import export
 

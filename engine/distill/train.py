@@ -36,6 +36,9 @@ class TrainConfig:
     feature_weight: float = 0.2
     feature_noise: float = 0.05  # uniform noise on input features, in units of their RMS
     kd_fraction: float = 0.25  # positions per batch that pay for the LM head in training
+    # Weight of 1 − Σ min(p, q) at the reported sampling, the acceptance SpS will see (DistillSpec's
+    # total-variation objective); the KL term alone matches the untempered distributions.
+    accept_weight: float = 0.0
     validation_sequences: int = 16
     eval_every: int = 50
     seed: int = 0
@@ -126,42 +129,65 @@ class Objective:
         self.to_subset[draft.vocab_ids] = torch.arange(len(draft.vocab_ids))
 
     def step_loss(self, pred: torch.Tensor, batch: dict, kd_fraction: float = 1.0,
-                  sampling: SamplingParams | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                  sampling: SamplingParams | None = None,
+                  accept_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
         """Feature regression at every position; distillation (the LM head, by far the costliest
         part) at a random `kd_fraction` of them, which keeps its gradient unbiased. With `sampling`,
         the metrics add "accept": Σ min(p, q) with both models under those settings, as SpS
-        computes it (the draft over V', the target over its recorded top-20)."""
+        computes it (the draft over V', the target over its recorded top-20). `accept_weight` adds
+        `acceptance_loss`, the total variation at the reported sampling."""
         mask = batch["mask"].bool()
         feat = F.smooth_l1_loss(pred[mask], batch["target"][mask], reduction="none").mean()
         chosen = mask & (torch.rand(mask.shape) < kd_fraction) if kd_fraction < 1 else mask
         logq = torch.log_softmax(self.draft.subset_logits(pred[chosen]), dim=-1)
         sub = self.to_subset[batch["ids"][chosen]]
         inside = sub >= 0
+        lps = batch["lps"][chosen]
         logq_top = logq.gather(-1, sub.clamp_min(0)) * inside
-        p = batch["lps"][chosen].exp() * inside
-        kd = -(p * logq_top).sum(-1).mean()
+        p = lps.exp() * inside
+        loss = -(p * logq_top).sum(-1).mean() + self.feature_weight * feat
+        if accept_weight:
+            loss = loss + accept_weight * acceptance_loss(logq, sub, inside, lps)
         with torch.no_grad():
             agree = (sub[:, 0] == logq.argmax(-1)).float().mean()
             overlap = torch.minimum(p, logq_top.exp() * inside).sum(-1).mean()
             metrics = {"agree": float(agree), "overlap": float(overlap)}
             if sampling is not None:
-                q = logits_to_probs(logq, sampling).gather(-1, sub.clamp_min(0)) * inside
-                p_sampled = logits_to_probs(batch["lps"][chosen], sampling)
-                metrics["accept"] = float(torch.minimum(p_sampled, q).sum(-1).mean())
-        return kd + self.feature_weight * feat, metrics
+                metrics["accept"] = float(_acceptance(logq, sub, inside, lps, sampling).mean())
+        return loss, metrics
 
     def losses(self, batch: dict, noise: float = 0.0, kd_fraction: float = 1.0,
-               sampling: SamplingParams | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+               sampling: SamplingParams | None = None,
+               accept_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
         prev = batch["prev"]
         if noise:
             rms = prev.pow(2).mean(-1, keepdim=True).sqrt()
             prev = prev + (torch.rand_like(prev) * 2 - 1) * noise * rms
         pred1 = self.draft.features(batch["tokens"], prev)
-        loss1, m1 = self.step_loss(pred1, batch, kd_fraction, sampling)
+        loss1, m1 = self.step_loss(pred1, batch, kd_fraction, sampling, accept_weight)
         prev2 = torch.cat([prev[:, :1], pred1[:, :-1].detach()], dim=1)
         pred2 = self.draft.features(batch["tokens"], prev2)
-        loss2, m2 = self.step_loss(pred2, batch, kd_fraction, sampling)
+        loss2, m2 = self.step_loss(pred2, batch, kd_fraction, sampling, accept_weight)
         return loss1 + loss2, {f"{key}{step}": value for step, m in ((1, m1), (2, m2)) for key, value in m.items()}
+
+
+def _acceptance(logq: torch.Tensor, sub: torch.Tensor, inside: torch.Tensor, target_logprobs: torch.Tensor,
+                sampling: SamplingParams, draft_sampling: SamplingParams | None = None) -> torch.Tensor:
+    """Per-position Σ min(p, q): the target's p over its recorded top ids (`sub`: their V' indices,
+    `inside`: whether in V') under `sampling`, the draft's q over V' (log-probs `logq`) under
+    `draft_sampling` (default: the same)."""
+    q = logits_to_probs(logq, draft_sampling or sampling).gather(-1, sub.clamp_min(0)) * inside
+    return torch.minimum(logits_to_probs(target_logprobs, sampling), q).sum(-1)
+
+
+def acceptance_loss(logq: torch.Tensor, sub: torch.Tensor, inside: torch.Tensor,
+                    target_logprobs: torch.Tensor) -> torch.Tensor:
+    """1 − Σ min(p, q) at the reported sampling, with the draft only tempered, not truncated: the
+    top-k/top-p masks carry no gradient, so a target token outside the draft's kept set could never
+    be pulled in. Σ min(p, q) is what SpS accepts (Leviathan et al. 2023, Thm 3.5), so this is the
+    total-variation objective DistillSpec recommends for sampled decoding."""
+    tempered = SamplingParams(temperature=REPORTED_SAMPLING.temperature)
+    return 1.0 - _acceptance(logq, sub, inside, target_logprobs, REPORTED_SAMPLING, tempered).mean()
 
 
 def train(target, cfg: TrainConfig, log=print) -> Path:
@@ -212,7 +238,8 @@ def train(target, cfg: TrainConfig, log=print) -> Path:
         for group in opt.param_groups:
             group["lr"] = lr
         draft.train()
-        loss, _ = objective.losses(batch, noise=cfg.feature_noise, kd_fraction=cfg.kd_fraction)
+        loss, _ = objective.losses(batch, noise=cfg.feature_noise, kd_fraction=cfg.kd_fraction,
+                                   accept_weight=cfg.accept_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
