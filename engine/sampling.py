@@ -56,23 +56,20 @@ def sparse_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Te
     if params.greedy:
         ids = logits.argmax(dim=-1, keepdim=True)
         return ids, torch.ones(ids.shape, device=ids.device)
-    if not 0 < params.top_k < vocab:
-        values, ids = logits / params.temperature, None
-        if params.top_p >= 1.0:
-            return None, torch.softmax(values, dim=-1)
-        values, ids = torch.sort(values, dim=-1, descending=True)
-    else:
+    bounded = 0 < params.top_k < vocab
+    if not bounded and params.top_p >= 1.0:
+        return None, torch.softmax(logits / params.temperature, dim=-1)
+    if bounded:
         values, ids = torch.topk(logits, params.top_k, dim=-1)  # sorted, largest first
-        values = values / params.temperature
-    kept = torch.softmax(values, dim=-1)
+    else:
+        values, ids = torch.sort(logits, dim=-1, descending=True)
+    kept = torch.softmax(values / params.temperature, dim=-1)
     if params.top_p < 1.0:
         # Keep the smallest prefix whose mass reaches top_p (always at least the first token).
         mass_before = torch.cumsum(kept, dim=-1) - kept
         kept = kept.masked_fill(mass_before >= params.top_p, 0.0)
         kept = kept / kept.sum(dim=-1, keepdim=True)
-    if not 0 < params.top_k < vocab:
-        return None, torch.zeros_like(logits).scatter_(-1, ids, kept)
-    return ids, kept
+    return (ids, kept) if bounded else (None, torch.zeros_like(logits).scatter_(-1, ids, kept))
 
 
 def dense_probs(ids: torch.Tensor | None, probs: torch.Tensor, vocab: int) -> torch.Tensor:
