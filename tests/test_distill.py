@@ -92,7 +92,7 @@ def test_the_acceptance_objective_raises_acceptance_by_gradient():
     """The total-variation loss is differentiable in the draft's log-probs, and descending it moves
     a random draft to the target's tempered, truncated distribution: the acceptance SpS would see
     rises to nearly one."""
-    from engine.distill.train import _acceptance, acceptance_loss
+    from engine.distill.train import acceptance_loss, expected_acceptance
     from engine.sampling import REPORTED_SAMPLING
 
     torch.manual_seed(0)
@@ -106,9 +106,9 @@ def test_the_acceptance_objective_raises_acceptance_by_gradient():
     for _ in range(200):
         logq = torch.log_softmax(logits, -1)
         if first is None:
-            first = float(_acceptance(logq, target_ids, inside, target_logprobs, REPORTED_SAMPLING).mean())
+            first = float(expected_acceptance(logq, target_ids, inside, target_logprobs, REPORTED_SAMPLING).mean())
         opt.zero_grad()
         acceptance_loss(logq, target_ids, inside, target_logprobs).backward()
         opt.step()
-    final = _acceptance(torch.log_softmax(logits, -1), target_ids, inside, target_logprobs, REPORTED_SAMPLING)
+    final = expected_acceptance(torch.log_softmax(logits, -1), target_ids, inside, target_logprobs, REPORTED_SAMPLING)
     assert first < 0.3 and float(final.mean()) > 0.9

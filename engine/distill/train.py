@@ -153,7 +153,7 @@ class Objective:
             overlap = torch.minimum(p, logq_top.exp() * inside).sum(-1).mean()
             metrics = {"agree": float(agree), "overlap": float(overlap)}
             if sampling is not None:
-                metrics["accept"] = float(_acceptance(logq, sub, inside, lps, sampling).mean())
+                metrics["accept"] = float(expected_acceptance(logq, sub, inside, lps, sampling).mean())
         return loss, metrics
 
     def losses(self, batch: dict, noise: float = 0.0, kd_fraction: float = 1.0,
@@ -171,8 +171,8 @@ class Objective:
         return loss1 + loss2, {f"{key}{step}": value for step, m in ((1, m1), (2, m2)) for key, value in m.items()}
 
 
-def _acceptance(logq: torch.Tensor, sub: torch.Tensor, inside: torch.Tensor, target_logprobs: torch.Tensor,
-                sampling: SamplingParams, draft_sampling: SamplingParams | None = None) -> torch.Tensor:
+def expected_acceptance(logq: torch.Tensor, sub: torch.Tensor, inside: torch.Tensor, target_logprobs: torch.Tensor,
+                        sampling: SamplingParams, draft_sampling: SamplingParams | None = None) -> torch.Tensor:
     """Per-position Σ min(p, q): the target's p over its recorded top ids (`sub`: their V' indices,
     `inside`: whether in V') under `sampling`, the draft's q over V' (log-probs `logq`) under
     `draft_sampling` (default: the same)."""
@@ -184,10 +184,10 @@ def acceptance_loss(logq: torch.Tensor, sub: torch.Tensor, inside: torch.Tensor,
                     target_logprobs: torch.Tensor) -> torch.Tensor:
     """1 − Σ min(p, q) at the reported sampling, with the draft only tempered, not truncated: the
     top-k/top-p masks carry no gradient, so a target token outside the draft's kept set could never
-    be pulled in. Σ min(p, q) is what SpS accepts (Leviathan et al. 2023, Thm 3.5), so this is the
-    total-variation objective DistillSpec recommends for sampled decoding."""
+    be pulled in. Σ min(p, q) is what SpS accepts (Leviathan et al. 2023, Thm 3.5), and this is the
+    total-variation objective DistillSpec (Zhou et al. 2024) derives from that identity."""
     tempered = SamplingParams(temperature=REPORTED_SAMPLING.temperature)
-    return 1.0 - _acceptance(logq, sub, inside, target_logprobs, REPORTED_SAMPLING, tempered).mean()
+    return 1.0 - expected_acceptance(logq, sub, inside, target_logprobs, REPORTED_SAMPLING, tempered).mean()
 
 
 def train(target, cfg: TrainConfig, log=print) -> Path:
