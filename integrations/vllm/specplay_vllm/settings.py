@@ -1,0 +1,70 @@
+"""Which acceptance rule the plugin applies, read from the environment of every vLLM process.
+
+vLLM loads general plugins in the main, engine-core and worker processes, and the environment is
+the one channel that reaches all three unchanged; vLLM's own `speculative_config` rejects fields it
+does not know. In-process engines (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) can also switch the rule
+between `generate()` calls with `use()`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from engine.acceptance import METHODS
+
+ENV_RULE = "SPECPLAY_VLLM_RULE"
+ENV_DELTA = "SPECPLAY_VLLM_DELTA"
+ENV_POSTERIOR_THRESHOLD = "SPECPLAY_VLLM_POSTERIOR_THRESHOLD"
+ENV_POSTERIOR_ALPHA = "SPECPLAY_VLLM_POSTERIOR_ALPHA"
+
+
+@dataclass(frozen=True)
+class RuleSettings:
+    """`rule`: sps (vLLM's own rejection sampler, untouched), tas or cactus; the rest as in SpecConfig."""
+
+    rule: str = "sps"
+    delta: float = 1.0
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.rule not in METHODS:
+            raise ValueError(f"{ENV_RULE} must be one of {', '.join(METHODS)}, got {self.rule!r}")
+        if not (self.delta >= 0 and math.isfinite(self.delta)):
+            raise ValueError(f"{ENV_DELTA} (the Cactus KL budget) must be a finite number >= 0, got {self.delta}")
+        if not (0 < self.posterior_threshold <= 1 and 0 < self.posterior_alpha <= 1):
+            raise ValueError(f"{ENV_POSTERIOR_THRESHOLD} and {ENV_POSTERIOR_ALPHA} must be in (0, 1]")
+
+    @staticmethod
+    def from_env(env: dict[str, str] | None = None) -> "RuleSettings":
+        env = os.environ if env is None else env
+        default = RuleSettings()
+        return RuleSettings(
+            rule=env.get(ENV_RULE, default.rule).strip().lower(),
+            delta=float(env.get(ENV_DELTA, default.delta)),
+            posterior_threshold=float(env.get(ENV_POSTERIOR_THRESHOLD, default.posterior_threshold)),
+            posterior_alpha=float(env.get(ENV_POSTERIOR_ALPHA, default.posterior_alpha)),
+        )
+
+    def env(self) -> dict[str, str]:
+        """The environment variables that select these settings (for subprocesses and docs)."""
+        return {ENV_RULE: self.rule, ENV_DELTA: repr(self.delta),
+                ENV_POSTERIOR_THRESHOLD: repr(self.posterior_threshold), ENV_POSTERIOR_ALPHA: repr(self.posterior_alpha)}
+
+
+_current: RuleSettings | None = None
+
+
+def current() -> RuleSettings:
+    global _current
+    if _current is None:
+        _current = RuleSettings.from_env()
+    return _current
+
+
+def use(settings: RuleSettings) -> None:
+    """Switch the rule of this process's engine (takes effect at its next verification step)."""
+    global _current
+    _current = settings
