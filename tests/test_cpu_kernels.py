@@ -1,27 +1,52 @@
-"""The native CPU kernels (engine/models/cpu_kernels.c) against their torch definitions."""
+"""The native CPU kernels (engine/models/cpu_kernels.c) against their torch definitions, in every
+build this CPU runs (`isa`: the one it selects, AVX-512 here, and AVX2, which it runs too)."""
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
 import torch
 
-from engine.models import cpu_kernels, fast_llama
+from engine.models import cpu_kernels, fast_llama, q4_1_blocks
 from engine.models.fast_llama import FastLlamaCausalLM, _TorchGlue
 
 native = pytest.mark.skipif(not cpu_kernels.available(), reason="native kernels need cc and an AVX2/FMA/F16C CPU")
 
 
+@pytest.fixture(params=list(cpu_kernels.ISAS))
+def isa(request, monkeypatch):
+    """Run the test on one build of the kernels; builds this CPU cannot run are skipped."""
+    if request.param not in cpu_kernels.runnable_isas():
+        pytest.skip(f"this CPU does not run the {request.param} kernels")
+    lib = cpu_kernels.load(request.param)
+    assert lib is not None and lib.kernel_vector_width() == cpu_kernels.ISAS[request.param].vector_width
+    monkeypatch.setattr(cpu_kernels, "_library", lambda: lib)
+    return request.param
+
+
 def test_kernels_build_where_they_can():
-    """CI installs a compiler on an AVX2 machine: a broken build must fail here, not fall back silently."""
-    if shutil.which("cc") and cpu_kernels._cpu_supported():
+    """CI installs a compiler on an AVX2 machine: a broken build must fail here, not fall back silently.
+    The widest build the CPU runs is the one selected."""
+    if shutil.which("cc") and cpu_kernels.runnable_isas():
         assert cpu_kernels.available()
+        assert cpu_kernels.selected_isa() == cpu_kernels.runnable_isas()[0]
+        assert all(cpu_kernels.load(isa) is not None for isa in cpu_kernels.runnable_isas())
+
+
+def test_isa_can_be_forced(monkeypatch):
+    monkeypatch.setenv("SPECPLAY_KERNEL_ISA", "avx2")
+    if "avx2" in cpu_kernels.runnable_isas():
+        assert cpu_kernels.selected_isa() == "avx2"
+    monkeypatch.setenv("SPECPLAY_KERNEL_ISA", "no-such-isa")
+    with pytest.raises(RuntimeError, match="SPECPLAY_KERNEL_ISA"):
+        cpu_kernels.selected_isa()
 
 
 @native
 @pytest.mark.parametrize("n, k", [(300, 576), (70, 40)])  # 40 is not a multiple of the group: padded
-def test_q8_linear_matches_dequantized_weights_and_rows_are_independent(n, k):
+def test_q8_linear_matches_dequantized_weights_and_rows_are_independent(n, k, isa):
     weight = torch.randn(n, k) * 0.05
     q, scales = cpu_kernels.quantize_q8(weight)
     x = torch.randn(11, k)  # more rows than one tile of 8
@@ -37,7 +62,7 @@ def test_q8_linear_matches_dequantized_weights_and_rows_are_independent(n, k):
 @native
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n, k", [(70, 40), (96, 64)])  # N = 70: a zero-padded last panel; K = 40: padded to 64
-def test_panel_linear_matches_the_stored_weights_and_rows_are_independent(n, k, dtype):
+def test_panel_linear_matches_the_stored_weights_and_rows_are_independent(n, k, dtype, isa):
     weight = torch.randn(n, k) * 0.05
     panels = cpu_kernels.pack_panels(weight, dtype)
     x = torch.randn(11, k)  # tiles of 1-3 panels and of up to 5 rows, split evenly (11 = 4 + 4 + 3)
@@ -53,7 +78,7 @@ def test_panel_linear_matches_the_stored_weights_and_rows_are_independent(n, k, 
 @native
 @pytest.mark.parametrize("weight_dtype", ["float32", "float16", "bfloat16", "int8"])
 @pytest.mark.parametrize("m, k, n", [(1, 40, 32), (31, 600, 48), (64, 96, 70)])
-def test_linear_wide_matches_the_stored_weights(m, k, n, weight_dtype):
+def test_linear_wide_matches_the_stored_weights(m, k, n, weight_dtype, isa):
     """The prefill GEMM: 6-row tiles, 256-wide k blocks, and N = 70 (not a multiple of its
     16-channel panels) falling back to the batch-invariant kernels."""
     weight = torch.randn(n, k) * 0.05
@@ -79,7 +104,42 @@ def test_q8_linear_torch_fallback_computes_the_same_product(monkeypatch):
 
 
 @native
-def test_glue_ops_match_torch():
+@pytest.mark.parametrize("weight_format", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("n, k", [(70, 64), (96, 576)])  # N = 70: zero-padded last panel (zero blocks are exact)
+def test_gguf_blocks_compute_exactly_what_their_float32_panels_compute(n, k, weight_format, isa):
+    """Q4_1 / Q8_0 blocks widen to exactly gguf's dequantised float32 values, and every (row,
+    channel) sum is the same fp32 chain as the float32 panels': bit-identical results for every
+    row count, in the decode kernel and in the prefill GEMM."""
+    weight = torch.randn(n, k) * 0.05
+    if weight_format == "q4_1":
+        weight = q4_1_blocks.round_to_q4_1(weight)
+    else:
+        weight = q4_1_blocks.dequantize_q8_0(*q4_1_blocks.quantize_q8_0(weight))
+    got_format, blocks = q4_1_blocks.exact_blocks(weight)
+    assert got_format == weight_format
+    bytes_per_weight = blocks.numel() / (-(-n // 16) * 16 * k)  # GGUF's own: 20 or 34 bytes a block of 32
+    assert bytes_per_weight == (34 / 32 if weight_format == "q8_0" else 20 / 32)
+    floats = cpu_kernels.pack_panels(weight, torch.float32)
+    x = torch.randn(13, k)  # two tiles of rows in either build
+    for m in (1, 2, 3, 5, 8, 13):
+        want = cpu_kernels.panel_linear(x[:m], floats, n)
+        assert torch.equal(cpu_kernels.panel_linear(x[:m], blocks, n, weight_format), want)
+        assert torch.equal(cpu_kernels.linear_wide(x[:m], blocks, n, None, weight_format),
+                           cpu_kernels.linear_wide(x[:m], floats, n))
+    torch.testing.assert_close(want, x @ weight.T, atol=1e-5, rtol=1e-5)
+
+
+def test_exact_blocks_keep_weights_no_blocks_hold_in_float32():
+    weight = torch.randn(48, 64)
+    assert q4_1_blocks.exact_blocks(weight)[0] == "float32"
+    rounded = q4_1_blocks.round_to_q4_1(weight)
+    assert (rounded - weight).abs().max() > 1e-3 and q4_1_blocks.exact_blocks(rounded)[0] == "q4_1"
+    rounded[0, 0] += 1e-3  # one weight off its block's grid
+    assert q4_1_blocks.exact_blocks(rounded)[0] == "float32"
+
+
+@native
+def test_glue_ops_match_torch(isa):
     x, y, w = torch.randn(3, 64), torch.randn(3, 64), torch.rand(64) + 0.5
     x1, x2 = x.clone(), x.clone()
     torch.testing.assert_close(cpu_kernels.add_rms_norm(x1, y, w, 1e-5), _TorchGlue.add_rms_norm(x2, y, w, 1e-5))
@@ -90,10 +150,11 @@ def test_glue_ops_match_torch():
 
 
 @native
-@pytest.mark.parametrize("n, masked, hd",
-                         [(1, False, 64), (4, False, 64), (5, True, 64), (3, True, 16), (2, False, 128)])
-def test_attention_matches_torch(n, masked, hd):
-    heads, kv_heads, cap, pos = 4, 2, 32, 9
+@pytest.mark.parametrize("n, masked, hd, pos", [(1, False, 64, 9), (4, False, 64, 9), (5, True, 64, 9), (3, True, 16, 9),
+                                                (2, False, 128, 9), (1, False, 64, 40), (3, True, 64, 40)])
+def test_attention_matches_torch(n, masked, hd, pos, isa):
+    """pos 40: enough keys for the vectorised softmax of either vector width."""
+    heads, kv_heads, cap = 4, 2, 64
     qkv = torch.randn(n, (heads + 2 * kv_heads) * hd)
     angles = torch.rand(n, hd // 2) * 6
     rope = torch.stack([angles.cos(), angles.sin()], dim=-1)
@@ -112,7 +173,7 @@ def test_attention_matches_torch(n, masked, hd):
 
 
 @native
-def test_native_and_torch_glue_give_the_same_float32_model(tiny_pair, monkeypatch):
+def test_native_and_torch_glue_give_the_same_float32_model(tiny_pair, monkeypatch, isa):
     prompt = tiny_pair.encode_prompt("Once upon a time")
     lm = FastLlamaCausalLM(tiny_pair.target_model, "native", tiny_pair.vocab_size)
     got = torch.cat([lm.forward(prompt, last_n=len(prompt)), lm.forward([5, 6, 7], last_n=3)])
@@ -124,7 +185,7 @@ def test_native_and_torch_glue_give_the_same_float32_model(tiny_pair, monkeypatc
 
 @native
 @pytest.mark.parametrize("weight_dtype", ["int8", "float16", "bfloat16", "float32"])
-def test_verification_is_bit_identical_to_decoding(tiny_pair, weight_dtype):
+def test_verification_is_bit_identical_to_decoding(tiny_pair, weight_dtype, isa):
     """Why greedy SpS equals AR exactly on the native formats: the logits of a token do not depend
     on how many tokens share its forward (no batch-dependent scales or summation orders)."""
     prompt = tiny_pair.encode_prompt("Bit for bit")
@@ -138,7 +199,7 @@ def test_verification_is_bit_identical_to_decoding(tiny_pair, weight_dtype):
 
 @native
 @pytest.mark.parametrize("weight_dtype", ["float32", "float16", "bfloat16", "int8"])
-def test_a_long_prefill_into_an_empty_cache_takes_the_wide_gemm(tiny_pair, weight_dtype):
+def test_a_long_prefill_into_an_empty_cache_takes_the_wide_gemm(tiny_pair, weight_dtype, isa):
     """A prompt of >= WIDE_MIN_ROWS tokens prefilled at once runs linear_wide; compare a prefill
     split at token 1 (the batch-invariant kernels for the rest). Panel formats: the wide GEMM's
     k blocks continue each (row, channel) chain in the same order, so the two agree bit for bit.
@@ -161,7 +222,7 @@ def test_a_long_prefill_into_an_empty_cache_takes_the_wide_gemm(tiny_pair, weigh
 @native
 @pytest.mark.parametrize("weight_dtype", ["int8", "float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("tree", [False, True])
-def test_native_decoder_is_the_per_op_path_in_one_call(tiny_pair, monkeypatch, tree, weight_dtype):
+def test_native_decoder_is_the_per_op_path_in_one_call(tiny_pair, monkeypatch, tree, weight_dtype, isa):
     """The fused decoder_forward runs the same kernels in the same order as the Python layer loop,
     so the logits agree bit for bit (causal prefill, a decode step, and a tree forward)."""
     prompt = tiny_pair.encode_prompt("One call")
@@ -194,3 +255,51 @@ def test_float_formats_fall_back_to_onednn_or_fbgemm_without_the_native_kernels(
     fallback = fast_llama.PackedLinear(weight, weight_dtype)
     assert not fallback.native
     torch.testing.assert_close(fallback(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_1_model(tiny_pair):
+    """The tiny target with its layers' weights rounded to Q4_1 and its head to Q8_0, as the embedded
+    GGUF's are: the q4_1 format then stores them as blocks (down's K = 172 is not a whole number of
+    blocks, so down stays float32 panels: a model mixing formats)."""
+    model = copy.deepcopy(tiny_pair.target_model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                linear.weight.copy_(q4_1_blocks.round_to_q4_1(linear.weight))
+        model.lm_head.weight.copy_(q4_1_blocks.dequantize_q8_0(*q4_1_blocks.quantize_q8_0(model.lm_head.weight)))
+    return model
+
+
+@native
+def test_q4_1_format_is_the_float32_format_bit_for_bit(tiny_pair, tiny_q4_1_model, isa):
+    """Prefill (the wide GEMM), decoding, verification and a tree forward: the q4_1 format's logits
+    are float32's exactly, while its GEMMs run on Q4_1 and Q8_0 blocks."""
+    prompt = tiny_pair.encode_prompt("Bit for bit")
+    assert len(prompt) >= cpu_kernels.WIDE_MIN_ROWS
+    visible = torch.ones(3, len(prompt) + 5, dtype=torch.bool)
+    visible[1, -3] = visible[2, -2] = False
+
+    def run(weight_dtype):
+        lm = FastLlamaCausalLM(tiny_q4_1_model, weight_dtype, tiny_pair.vocab_size, weight_dtype=weight_dtype)
+        out = [lm.forward(prompt, last_n=len(prompt)), lm.forward([9], last_n=1), lm.forward([3, 4, 5, 6], last_n=4)]
+        lm.rollback(len(prompt) + 2)
+        out.append(lm.forward_tree([7, 8, 9], [len(prompt) + 2] * 3, lm.length, visible))
+        return lm, torch.cat(out)
+
+    lm, got = run("q4_1")
+    formats = {name: {getattr(layer, name).format for layer in lm.w.layers} for name in ("qkv", "o", "gate_up", "down")}
+    assert formats == {"qkv": {"q4_1"}, "o": {"q4_1"}, "gate_up": {"q4_1"}, "down": {"float32"}}
+    assert lm.w.lm_head.format == "q8_0"
+    assert torch.equal(got, run("float32")[1])
+
+
+@native
+def test_q4_1_verification_is_bit_identical_to_decoding(tiny_pair, tiny_q4_1_model, isa):
+    prompt = tiny_pair.encode_prompt("Bit for bit")
+    lm = FastLlamaCausalLM(tiny_q4_1_model, "q4_1", tiny_pair.vocab_size, weight_dtype="q4_1")
+    lm.forward(prompt)
+    together = lm.forward([11, 12, 13, 14, 15, 16, 17, 18, 19], last_n=9)
+    lm.rollback(len(prompt))
+    assert torch.equal(together, torch.cat([lm.forward([t]) for t in range(11, 20)]))

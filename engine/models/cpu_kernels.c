@@ -1,17 +1,27 @@
-// Native CPU kernels for the fast Llama backend (AVX2 + FMA + F16C), loaded by cpu_kernels.py.
+// Native CPU kernels for the fast Llama backend, loaded by cpu_kernels.py.
+//
+// One source, built once per instruction set (cpu_kernels.ISAS) and chosen at run time from the
+// CPU's flags: AVX2 + FMA + F16C (VW = 8 floats a vector), and AVX-512 F/BW/VL/DQ (VW = 16). Every
+// kernel is written in vectors of VW floats (the v* helpers below), so both builds run the same
+// algorithm; a weight panel of 16 channels is two AVX2 vectors or one AVX-512 vector.
 //
 // Small-batch GEMMs (M = 1 to K+1 rows: decoding and verification), each reading every weight
 // from memory once per call and applying it to all rows while it sits in registers or L1:
-//   q8_linear   int8 weights in groups of 32 (llama.cpp's Q8_0), activations quantized to int16
-//               per row and group, exact integer group sums;
-//   panel_linear  fp16, bf16 or fp32 weights in 16-channel panels, fp32 activations and accumulation.
+//   q8_linear     int8 weights in groups of 32 (llama.cpp's Q8_0), activations quantized to int16
+//                 per row and group, exact integer group sums;
+//   panel_linear  weights in 16-channel panels, fp32 activations and accumulation: fp16, bf16 or
+//                 fp32 values, or GGUF blocks (Q4_1: w = d * q + m; Q8_0: w = d * q) widened to
+//                 exactly the fp32 values llama.cpp's and gguf's dequantisers give.
 // In both a row's output does not depend on which other rows share the call (verification is
-// bit-identical to decoding one token at a time). linear_wide, a register-blocked GEMM for long
-// fp16 and int8 prefills, keeps that for fp16 and gives it up for int8. Then the glue between the GEMMs (add+RMSNorm,
-// SiLU*mul, RoPE + KV cache + grouped-query attention) and decoder_forward, the whole layer
-// stack in one call.
+// bit-identical to decoding one token at a time), and panel_linear's (row, channel) sum is one fp32
+// chain over k whatever the format, so Q4_1 blocks give bit for bit the float32 panels' result.
+// linear_wide, a register-blocked GEMM for long prefills of fp16, Q4_1/Q8_0 and int8 weights,
+// keeps that for the panel formats and gives it up for int8. Then the glue between the GEMMs
+// (add+RMSNorm, SiLU*mul, RoPE + KV cache + grouped-query attention) and decoder_forward, the whole
+// layer stack in one call.
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,12 +29,78 @@
 #define GROUP 32
 #define MAX_TILE 8
 
-static inline float hsum(__m256 v) {
+// ---- Vectors of VW floats: the only place the two instruction sets differ. ----
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define VW 16
+typedef __m512 vf;
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vset(float x) { return _mm512_set1_ps(x); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline vf vf16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vi8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline void vnibbles(const uint8_t *p, vf *lo, vf *hi) {  // VW bytes -> their low and high nibbles
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+static inline vf vbf16_panel(const uint16_t *p) {  // 16 bf16 stored c, c + 8 (pack_panels) -> channel order
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32((int)0xffff0000u)));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+static inline vf vzero_where_neg_inf(vf e, vf x) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), e);
+}
+static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vpow2(vf n) {  // 2^n for integral n in the float range
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+static inline vf vclamp(vf x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, vset(lo)), vset(hi)); }
+#else
+#define VW 8
+typedef __m256 vf;
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vset(float x) { return _mm256_set1_ps(x); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline float vsum(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+static inline vf vf16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf vi8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline void vnibbles(const uint8_t *p, vf *lo, vf *hi) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+static inline vf vzero_where_neg_inf(vf e, vf x) {
+    return _mm256_and_ps(e, _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+}
+static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vpow2(vf n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline vf vclamp(vf x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, vset(lo)), vset(hi)); }
+#endif
+
+// The instruction set this build was compiled for (cpu_kernels.py checks it after loading).
+int kernel_vector_width(void) { return VW; }
 
 // Symmetric int16 per group of 32, scale = max|v| / 32767, for one activation row: 16-bit
 // activations keep the activation rounding error ~250x below the int8 weights' own.
@@ -49,19 +125,27 @@ static void quantize_row(const float *v, int64_t K, int16_t *q, float *scales) {
 static inline __attribute__((always_inline)) void channel_tile(
     const int16_t *xq, const float *xs, int64_t K, const int8_t *q, const float *scale, int64_t groups,
     float *y, int64_t N, const int rows) {
-    __m256 acc[MAX_TILE];
-    for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
+    vf acc[MAX_TILE];
+    for (int m = 0; m < rows; m++) acc[m] = vzero();
     for (int64_t g = 0; g < groups; g++) {
+#if VW == 16
+        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + g * GROUP)));
+        for (int m = 0; m < rows; m++) {
+            const __m512i dot = _mm512_madd_epi16(w, _mm512_loadu_si512((const void *)(xq + m * K + g * GROUP)));
+            acc[m] = vfma(_mm512_cvtepi32_ps(dot), vset(scale[g] * xs[m * groups + g]), acc[m]);
+        }
+#else
         const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + g * GROUP)));
         const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + g * GROUP + 16)));
         for (int m = 0; m < rows; m++) {
             const int16_t *xg = xq + m * K + g * GROUP;
             const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xg)),
                                                  _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xg + 16))));
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale[g] * xs[m * groups + g]), acc[m]);
+            acc[m] = vfma(_mm256_cvtepi32_ps(dot), vset(scale[g] * xs[m * groups + g]), acc[m]);
         }
+#endif
     }
-    for (int m = 0; m < rows; m++) y[m * N] = hsum(acc[m]);
+    for (int m = 0; m < rows; m++) y[m * N] = vsum(acc[m]);
 }
 
 // x [M, K] float32, q [N, K] int8, scales [N, K/32] float32, y [M, N] float32; K % 32 == 0.
@@ -95,111 +179,212 @@ void q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const floa
     free(xs);
 }
 
-// panel_linear: y[M, N] = x[M, K] @ W[N, K]^T for float weights stored in panels of 16 output
-// channels, k-major: panel[k][16] (pack_panels in cpu_kernels.py), in one of the panel formats
-//   PANEL_F16  fp16, widened by F16C;
-//   PANEL_BF16 bf16, widened by a shift and a mask (pack_panels stores channel c next to c + 8);
-//   PANEL_F32  fp32, as stored.
-// For each input k the 16 channels are one load (32 or 64 bytes), multiplied by the broadcast
-// x[m][k]: the weights stream front to back and there are no horizontal sums. Every (row, channel)
-// sum is one sequential fp32 chain over k, the same whatever M or the tile, so a row's result is
-// bit-identical however many rows share the call. Tiles keep at least 6 chains in flight (FMA
-// latency 5): 3 panels for one row, 2 for two, 1 for 3-6 rows. Measured on the default target's
-// GEMMs (2 threads), fp16, against the row-major layout with two partial sums per row it replaced:
-// one row 16.8 -> 13.7 ms, two rows 18.5 -> 17.2, five 27.4 -> 26.0 (F16C costs this CPU about two
-// FMAs' issue slots per vector, the bf16 shift nearly nothing: 5 rows take 21 ms in bf16).
+// panel_linear: y[M, N] = x[M, K] @ W[N, K]^T for weights stored in panels of 16 output channels
+// (pack_panels / pack_blocks in cpu_kernels.py), in one of the panel formats
+//   PANEL_F16   fp16, k-major [k][16], widened by F16C;
+//   PANEL_BF16  bf16, k-major, widened by a shift and a mask (channel c is stored next to c + 8);
+//   PANEL_F32   fp32, k-major;
+//   PANEL_Q4_1  GGUF Q4_1 blocks of 32 k: d[16] fp16, m[16] fp16, then 16 pairs of k as 16 bytes
+//               (channel c's byte: k = 2p in the low nibble, 2p + 1 in the high); w = fma(d, q, m),
+//               which is exactly gguf's float32 (d * q) + m (d * q is exact);
+//   PANEL_Q8_0  GGUF Q8_0 blocks of 32 k: d[16] fp16, then 32 k x 16 int8; w = d * q (exact).
+// For each input k the 16 channels' weights are one panel row (one or two vectors), multiplied by
+// the broadcast x[m][k]: the weights stream front to back and there are no horizontal sums. Every
+// (row, channel) sum is one sequential fp32 chain over k, the same whatever M, the tile, the format
+// or the instruction set, so a row's result is bit-identical however many rows share the call.
+// Measured on the default target's GGEMMs (2 threads, Zen 1, AVX2), fp16, against the row-major
+// layout with two partial sums per row it replaced: one row 16.8 -> 13.7 ms, five 27.4 -> 26.0.
 #define PANEL 16
-#define PANEL_TILE 6
-enum { PANEL_F16 = 1, PANEL_BF16 = 2, PANEL_F32 = 3 };  // format codes; 0 is int8 (q8_linear)
+#define VPP (PANEL / VW)  // vectors per panel row
+enum { PANEL_F16 = 1, PANEL_BF16 = 2, PANEL_F32 = 3, PANEL_Q4_1 = 4, PANEL_Q8_0 = 5 };  // 0 is int8 (q8_linear)
+#define Q4_1_BLOCK (PANEL * 4 + PANEL * GROUP / 2)  // bytes of one panel's block of 32 k: 320
+#define Q8_0_BLOCK (PANEL * 2 + PANEL * GROUP)      // 544
+#if VW == 16
+#define TILE_ROWS 8
+#define TILE_PANELS 4
+#else
+#define TILE_ROWS 6
+#define TILE_PANELS 3
+#endif
 
-static inline __attribute__((always_inline)) void panel_load(const void *w, int64_t at, const int format, __m256 *w0,
-                                                             __m256 *w1) {
-    if (format == PANEL_F32) {
-        *w0 = _mm256_load_ps((const float *)w + at);
-        *w1 = _mm256_load_ps((const float *)w + at + 8);
-    } else if (format == PANEL_BF16) {
-        const __m256i raw = _mm256_load_si256((const __m256i *)((const uint16_t *)w + at));
-        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-        *w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32((int)0xffff0000u)));
-    } else {
-        *w0 = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)((const uint16_t *)w + at)));
-        *w1 = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)((const uint16_t *)w + at + 8)));
+static inline int64_t panel_bytes(int format, int64_t K) {  // one panel of 16 channels over all K
+    switch (format) {
+        case PANEL_F32: return K * PANEL * 4;
+        case PANEL_Q4_1: return K / GROUP * Q4_1_BLOCK;
+        case PANEL_Q8_0: return K / GROUP * Q8_0_BLOCK;
+        default: return K * PANEL * 2;
     }
 }
 
-static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t K, const void *w, float *y,
-                                                             int64_t ldy, const int rows, const int panels,
+// Where the panel rows k = 32 b + 2 p and k + 1 start within a panel, in bytes.
+static inline int64_t pair_offset(const int format, int64_t b, int p) {
+    switch (format) {
+        case PANEL_F32: return (b * GROUP + 2 * p) * PANEL * 4;
+        case PANEL_Q4_1: return b * Q4_1_BLOCK + PANEL * 4 + p * PANEL;
+        case PANEL_Q8_0: return b * Q8_0_BLOCK + PANEL * 2 + 2 * p * PANEL;
+        default: return (b * GROUP + 2 * p) * PANEL * 2;
+    }
+}
+
+// The block's scales (d) and, for Q4_1, minimums (m) of one panel, as VPP vectors each.
+static inline __attribute__((always_inline)) void panel_scales(const char *pw, int64_t b, const int format, vf *d,
+                                                               vf *mn) {
+    if (format == PANEL_Q4_1 || format == PANEL_Q8_0) {
+        const char *blk = pw + b * (format == PANEL_Q4_1 ? Q4_1_BLOCK : Q8_0_BLOCK);
+        for (int i = 0; i < VPP; i++) {
+            d[i] = vf16((const uint16_t *)blk + i * VW);
+            if (format == PANEL_Q4_1) mn[i] = vf16((const uint16_t *)blk + PANEL + i * VW);
+        }
+    }
+}
+
+// Panel rows k = 32 b + 2 p and k + 1 of one panel, widened to fp32.
+static inline __attribute__((always_inline)) void panel_pair(const char *pw, int64_t b, int p, const int format,
+                                                             const vf *d, const vf *mn, vf *w0, vf *w1) {
+    const char *at = pw + pair_offset(format, b, p);
+    for (int i = 0; i < VPP; i++) {
+        if (format == PANEL_F32) {
+            w0[i] = vload((const float *)at + i * VW);
+            w1[i] = vload((const float *)at + PANEL + i * VW);
+        } else if (format == PANEL_F16) {
+            w0[i] = vf16((const uint16_t *)at + i * VW);
+            w1[i] = vf16((const uint16_t *)at + PANEL + i * VW);
+        } else if (format == PANEL_Q4_1) {
+            vf lo, hi;
+            vnibbles((const uint8_t *)at + i * VW, &lo, &hi);
+            w0[i] = vfma(d[i], lo, mn[i]);
+            w1[i] = vfma(d[i], hi, mn[i]);
+        } else if (format == PANEL_Q8_0) {
+            w0[i] = vmul(vi8((const int8_t *)at + i * VW), d[i]);
+            w1[i] = vmul(vi8((const int8_t *)at + PANEL + i * VW), d[i]);
+        }
+    }
+    if (format == PANEL_BF16) {
+        const uint16_t *h = (const uint16_t *)at;
+#if VW == 16
+        w0[0] = vbf16_panel(h);
+        w1[0] = vbf16_panel(h + PANEL);
+#else
+        for (int r = 0; r < 2; r++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(h + r * PANEL));
+            vf *w = r ? w1 : w0;
+            w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+            w[1] = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32((int)0xffff0000u)));
+        }
+#endif
+    }
+}
+
+static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t K, const char *w, int64_t stride,
+                                                             float *y, int64_t ldy, const int rows, const int panels,
                                                              const int format) {
-    const int64_t bytes = format == PANEL_F32 ? 4 : 2;
-    __m256 acc[PANEL_TILE][3][2];
+    vf acc[TILE_ROWS][TILE_PANELS][VPP];
+    // Prefetch a line per 64 bytes streamed, about 1 KB ahead: every 4th pair of k in Q4_1 (16 bytes
+    // a pair), every other in Q8_0, every pair in fp16/bf16, and two lines a pair in fp32.
+    const int every = format == PANEL_Q4_1 ? 4 : format == PANEL_Q8_0 ? 2 : 1;
     for (int m = 0; m < rows; m++)
-        for (int j = 0; j < panels; j++) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        for (int j = 0; j < panels; j++) {
-            __m256 w0, w1;
-            _mm_prefetch((const char *)w + (j * K + k + 64) * PANEL * bytes, _MM_HINT_T0);
-            panel_load(w, (j * K + k) * PANEL, format, &w0, &w1);
-            for (int m = 0; m < rows; m++) {
-                const __m256 a = _mm256_broadcast_ss(x + m * K + k);
-                acc[m][j][0] = _mm256_fmadd_ps(a, w0, acc[m][j][0]);
-                acc[m][j][1] = _mm256_fmadd_ps(a, w1, acc[m][j][1]);
+        for (int j = 0; j < panels; j++)
+            for (int i = 0; i < VPP; i++) acc[m][j][i] = vzero();
+    for (int64_t b = 0; b < K / GROUP; b++) {
+        vf d[TILE_PANELS][VPP], mn[TILE_PANELS][VPP];
+        for (int j = 0; j < panels; j++) panel_scales(w + j * stride, b, format, d[j], mn[j]);
+        for (int p = 0; p < GROUP / 2; p++) {
+            const int64_t k = b * GROUP + 2 * p;
+            for (int j = 0; j < panels; j++) {
+                vf w0[VPP], w1[VPP];
+                if (p % every == 0) {
+                    const char *at = w + j * stride + pair_offset(format, b, p) + 1024;
+                    _mm_prefetch(at, _MM_HINT_T0);
+                    if (format == PANEL_F32) _mm_prefetch(at + 64, _MM_HINT_T0);
+                }
+                panel_pair(w + j * stride, b, p, format, d[j], mn[j], w0, w1);
+                for (int m = 0; m < rows; m++) {
+                    const vf a0 = vset(x[m * K + k]), a1 = vset(x[m * K + k + 1]);
+                    for (int i = 0; i < VPP; i++) acc[m][j][i] = vfma(a0, w0[i], acc[m][j][i]);
+                    for (int i = 0; i < VPP; i++) acc[m][j][i] = vfma(a1, w1[i], acc[m][j][i]);
+                }
             }
         }
     }
     for (int m = 0; m < rows; m++)
-        for (int j = 0; j < panels; j++) {
-            _mm256_storeu_ps(y + m * ldy + j * PANEL, acc[m][j][0]);
-            _mm256_storeu_ps(y + m * ldy + j * PANEL + 8, acc[m][j][1]);
-        }
+        for (int j = 0; j < panels; j++)
+            for (int i = 0; i < VPP; i++) vstore(y + m * ldy + j * PANEL + i * VW, acc[m][j][i]);
 }
 
-#define PANEL_CASE(R, P) case R * 4 + P: panel_tile(x, K, w, y, ldy, R, P, format); break
-static inline __attribute__((always_inline)) void panel_dispatch(const float *x, int64_t K, const void *w, float *y,
-                                                                 int64_t ldy, int rows, int panels, const int format) {
-    switch (rows * 4 + panels) {
+// Tiles keep >= 6 FMA chains in flight (FMA latency 4-5) where the registers allow: AVX2 (16
+// registers) 3 panels for one row, 2 for two, 1 for 3-6; AVX-512 (32) 3 panels for 1-2 rows, 2 for 3-8.
+#define PANEL_CASE(R, P) case R * 8 + P: panel_tile(x, K, w, stride, y, ldy, R, P, format); break
+static inline __attribute__((always_inline)) void panel_dispatch(const float *x, int64_t K, const char *w,
+                                                                 int64_t stride, float *y, int64_t ldy, int rows,
+                                                                 int panels, const int format) {
+    switch (rows * 8 + panels) {
         PANEL_CASE(1, 1); PANEL_CASE(1, 2); PANEL_CASE(1, 3); PANEL_CASE(2, 1); PANEL_CASE(2, 2);
-        PANEL_CASE(3, 1); PANEL_CASE(4, 1); PANEL_CASE(5, 1); default: panel_tile(x, K, w, y, ldy, 6, 1, format); break;
+#if VW == 16
+        PANEL_CASE(2, 3); PANEL_CASE(3, 1); PANEL_CASE(3, 2); PANEL_CASE(4, 1); PANEL_CASE(4, 2);
+        PANEL_CASE(5, 1); PANEL_CASE(5, 2); PANEL_CASE(6, 1); PANEL_CASE(6, 2); PANEL_CASE(7, 1);
+        PANEL_CASE(7, 2); PANEL_CASE(8, 1); default: panel_tile(x, K, w, stride, y, ldy, 8, 2, format); break;
+#else
+        PANEL_CASE(3, 1); PANEL_CASE(4, 1); PANEL_CASE(5, 1); default: panel_tile(x, K, w, stride, y, ldy, 6, 1, format); break;
+#endif
     }
 }
 
-// x [M, K] float32, w [ceil(N/16), K, 16] panels in `format`, y [M, N].
+static int panel_group(int64_t rows) {  // panels per tile for a tile of `rows` rows
+#if VW == 16
+    return rows <= 2 ? 3 : 2;
+#else
+    return rows == 1 ? 3 : rows == 2 ? 2 : 1;
+#endif
+}
+
+// x [M, K] float32, w: ceil(N/16) panels in `format`, y [M, N]. Each thread takes a contiguous run
+// of panels (an even split: the default target's 36-panel GEMMs would leave one thread a third
+// more work in whole tiles), cut into tiles; the rows are split evenly into tiles (9 -> 5 + 4).
 void panel_linear(const float *x, int64_t M, int64_t K, const void *w, int64_t N, float *y, int format) {
-    const int64_t panels = (N + PANEL - 1) / PANEL, bytes = format == PANEL_F32 ? 4 : 2;
-    const int group = M == 1 ? 3 : M == 2 ? 2 : 1;
-    const int64_t tiles = (M + PANEL_TILE - 1) / PANEL_TILE;  // rows split evenly: 7 -> 4 + 3, not 6 + 1
-    #pragma omp parallel for schedule(static)
-    for (int64_t p0 = 0; p0 < panels; p0 += group) {
-        const int np = panels - p0 < group ? (int)(panels - p0) : group;
-        const int full = (p0 + np) * PANEL <= N;
-        const void *wp = (const char *)w + p0 * K * PANEL * bytes;
-        for (int64_t t = 0, m0 = 0; t < tiles; t++) {
-            const int rows = (int)((M - m0) / (tiles - t));
-            float buf[PANEL_TILE * 3 * PANEL];
-            float *out = full ? y + m0 * N + p0 * PANEL : buf;
-            const int64_t ldy = full ? N : np * PANEL;
-            switch (format) {
-                case PANEL_F32: panel_dispatch(x + m0 * K, K, wp, out, ldy, rows, np, PANEL_F32); break;
-                case PANEL_BF16: panel_dispatch(x + m0 * K, K, wp, out, ldy, rows, np, PANEL_BF16); break;
-                default: panel_dispatch(x + m0 * K, K, wp, out, ldy, rows, np, PANEL_F16); break;
+    const int64_t panels = (N + PANEL - 1) / PANEL, stride = panel_bytes(format, K);
+    const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
+    #pragma omp parallel
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t first = panels * t / threads, last = panels * (t + 1) / threads;
+        const int group = panel_group(M / tiles);  // the same for every tile: their rows differ by at most 1
+        for (int64_t p0 = first; p0 < last; p0 += group) {
+            const int np = last - p0 < group ? (int)(last - p0) : group;
+            const int full = (p0 + np) * PANEL <= N;
+            const char *wp = (const char *)w + p0 * stride;
+            for (int64_t tile = 0, m0 = 0; tile < tiles; tile++) {  // later tiles find the weights in L2
+                const int rows = (int)((M - m0) / (tiles - tile));
+                float buf[TILE_ROWS * TILE_PANELS * PANEL];
+                float *out = full ? y + m0 * N + p0 * PANEL : buf;
+                const int64_t ldy = full ? N : np * PANEL;
+                const float *xm = x + m0 * K;
+                switch (format) {
+                    case PANEL_F32: panel_dispatch(xm, K, wp, stride, out, ldy, rows, np, PANEL_F32); break;
+                    case PANEL_BF16: panel_dispatch(xm, K, wp, stride, out, ldy, rows, np, PANEL_BF16); break;
+                    case PANEL_Q4_1: panel_dispatch(xm, K, wp, stride, out, ldy, rows, np, PANEL_Q4_1); break;
+                    case PANEL_Q8_0: panel_dispatch(xm, K, wp, stride, out, ldy, rows, np, PANEL_Q8_0); break;
+                    default: panel_dispatch(xm, K, wp, stride, out, ldy, rows, np, PANEL_F16); break;
+                }
+                if (!full)  // the last panel is zero-padded past N: keep its real channels only
+                    for (int m = 0; m < rows; m++)
+                        memcpy(y + (m0 + m) * N + p0 * PANEL, buf + m * ldy, (N - p0 * PANEL) * sizeof(float));
+                m0 += rows;
             }
-            if (!full)  // the last panel is zero-padded past N: keep its real channels only
-                for (int m = 0; m < rows; m++)
-                    memcpy(y + (m0 + m) * N + p0 * PANEL, buf + m * ldy, (N - p0 * PANEL) * sizeof(float));
-            m0 += rows;
         }
     }
 }
 
-// linear_wide: the same products for prefills of fp16 and int8 weights, whose widening is worth
-// amortising over many rows. Each thread converts a block of 16 channels x 256 k once into an fp32
-// [k][16] panel (F16C; or int8 x its group scale, then an 8x8 transpose), and a 6-row x 16-channel
-// register block (12 accumulators) broadcasts x and streams the panel: 12 FMAs per 2 panel loads,
-// the classic BLIS micro-kernel shape. Measured on the default target's prefill: 1.1-1.2x faster
-// than panel_linear in fp16, 1.4-1.5x than q8_linear in int8 (30-120 rows). For fp16 each
-// (row, channel) sum keeps panel_linear's order (the k blocks continue one chain), so the results
-// are bit-identical; int8 weights meet float32 activations here (no int16 rounding), so those differ.
+// linear_wide: the same products for prefills of the weights whose widening is worth amortising
+// over many rows (fp16, Q4_1, Q8_0 panels; int8). Each thread converts a block of 16 channels x 256 k
+// once into an fp32 [k][16] panel (the panel formats' own widening; or int8 x its group scale, then
+// an 8x8 transpose), and a register block of WIDE_ROWS rows x 16 channels broadcasts x and streams
+// the panel (12 accumulators, the BLIS micro-kernel shape). Measured on the default target's prefill
+// (Zen 1): 1.1-1.2x faster than panel_linear in fp16, 1.4-1.5x than q8_linear in int8 (30-120 rows).
+// For the panel formats each (row, channel) sum keeps panel_linear's order (the k blocks continue
+// one chain), so the results are bit-identical; int8 weights meet float32 activations here (no
+// int16 rounding), so those differ.
 #define PANEL_K 256
-#define WIDE_ROWS 6
+#define WIDE_ROWS (12 / VPP)
 
 // Store r[i] = 8 k values of channel c0 + i as panel rows k..k+7 (an 8x8 transpose).
 static inline void store_transposed(__m256 r[8], float *p) {
@@ -220,18 +405,33 @@ static inline void store_transposed(__m256 r[8], float *p) {
     }
 }
 
-// Panel of channels n0..n0+15, k0..k0+kn-1 (k0 and kn multiples of 8) as fp32 [kn][16]: fp16
-// panels are widened, int8 (format 0, row-major) is scaled and transposed.
+static inline __attribute__((always_inline)) void widen_panel(const char *pw, int64_t k0, int64_t kn, float *panel,
+                                                              const int format) {
+    for (int64_t b = k0 / GROUP; b < (k0 + kn) / GROUP; b++) {
+        vf d[VPP], mn[VPP];
+        panel_scales(pw, b, format, d, mn);
+        for (int p = 0; p < GROUP / 2; p++) {
+            vf w0[VPP], w1[VPP];
+            float *row = panel + (b * GROUP + 2 * p - k0) * PANEL;
+            panel_pair(pw, b, p, format, d, mn, w0, w1);
+            for (int i = 0; i < VPP; i++) {
+                vstore(row + i * VW, w0[i]);
+                vstore(row + PANEL + i * VW, w1[i]);
+            }
+        }
+    }
+}
+
+// Panel of channels n0..n0+15, k0..k0+kn-1 (k0 and kn multiples of 32) as fp32 [kn][16]: the panel
+// formats are widened, int8 (format 0, row-major) is scaled and transposed.
 static void pack_panel(const void *w, const float *scales, int format, int64_t K, int64_t n0, int64_t k0,
                        int64_t kn, float *panel) {
-    if (format == PANEL_F16) {
-        for (int64_t k = 0; k < kn; k++) {
-            __m256 w0, w1;
-            panel_load(w, n0 * K + (k0 + k) * PANEL, PANEL_F16, &w0, &w1);
-            _mm256_store_ps(panel + k * PANEL, w0);
-            _mm256_store_ps(panel + k * PANEL + 8, w1);
-        }
-        return;
+    const char *pw = (const char *)w + n0 / PANEL * panel_bytes(format, K);
+    switch (format) {
+        case PANEL_F16: widen_panel(pw, k0, kn, panel, PANEL_F16); return;
+        case PANEL_Q4_1: widen_panel(pw, k0, kn, panel, PANEL_Q4_1); return;
+        case PANEL_Q8_0: widen_panel(pw, k0, kn, panel, PANEL_Q8_0); return;
+        default: break;
     }
     for (int c0 = 0; c0 < PANEL; c0 += 8) {
         for (int64_t k = 0; k < kn; k += 8) {
@@ -249,29 +449,26 @@ static void pack_panel(const void *w, const float *scales, int format, int64_t K
 
 static inline __attribute__((always_inline)) void wide_tile(const float *x, int64_t K, const float *panel, int64_t kn,
                                                              float *y, int64_t N, int first, const int rows) {
-    __m256 acc[WIDE_ROWS][2];
-    for (int m = 0; m < rows; m++) {
-        acc[m][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * N);
-        acc[m][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * N + 8);
-    }
+    vf acc[WIDE_ROWS][VPP];
+    for (int m = 0; m < rows; m++)
+        for (int i = 0; i < VPP; i++) acc[m][i] = first ? vzero() : vload(y + m * N + i * VW);
     for (int64_t k = 0; k < kn; k++) {
-        const __m256 b0 = _mm256_load_ps(panel + k * PANEL), b1 = _mm256_load_ps(panel + k * PANEL + 8);
+        vf b[VPP];
+        for (int i = 0; i < VPP; i++) b[i] = vload(panel + k * PANEL + i * VW);
         for (int m = 0; m < rows; m++) {
-            const __m256 a = _mm256_broadcast_ss(x + m * K + k);
-            acc[m][0] = _mm256_fmadd_ps(a, b0, acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(a, b1, acc[m][1]);
+            const vf a = vset(x[m * K + k]);
+            for (int i = 0; i < VPP; i++) acc[m][i] = vfma(a, b[i], acc[m][i]);
         }
     }
-    for (int m = 0; m < rows; m++) {
-        _mm256_storeu_ps(y + m * N, acc[m][0]);
-        _mm256_storeu_ps(y + m * N + 8, acc[m][1]);
-    }
+    for (int m = 0; m < rows; m++)
+        for (int i = 0; i < VPP; i++) vstore(y + m * N + i * VW, acc[m][i]);
 }
 
+#define WIDE_CASE(R) case R: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, R); break
 // x [M, K] float32, w (format 0: int8 [N, K] with scales [N, K/32]; else panels as panel_linear),
 // y [M, N]; K % 32 == 0. fp32 and bf16 panels need no conversion worth amortising, so they stay on
-// panel_linear (measured: 0.83-0.94x and 0.95-1.03x its speed here at 30-120 rows), as does an N
-// that is not a multiple of the panel width.
+// panel_linear (measured on Zen 1: 0.83-0.94x and 0.95-1.03x its speed at 30-120 rows), as does an
+// N that is not a multiple of the panel width.
 void linear_wide(const float *x, int64_t M, int64_t K, const void *w, const float *scales, int format, int64_t N,
                  float *y) {
     if (N % PANEL || format == PANEL_F32 || format == PANEL_BF16) {
@@ -281,7 +478,7 @@ void linear_wide(const float *x, int64_t M, int64_t K, const void *w, const floa
     }
     #pragma omp parallel
     {
-        float *panel = aligned_alloc(32, PANEL_K * PANEL * sizeof(float));
+        float *panel = aligned_alloc(64, PANEL_K * PANEL * sizeof(float));
         #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
             for (int64_t k0 = 0; k0 < K; k0 += PANEL_K) {
@@ -291,12 +488,11 @@ void linear_wide(const float *x, int64_t M, int64_t K, const void *w, const floa
                     const float *xm = x + m0 * K + k0;
                     float *ym = y + m0 * N + n0;
                     switch (M - m0 < WIDE_ROWS ? M - m0 : WIDE_ROWS) {
-                        case 1: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, 1); break;
-                        case 2: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, 2); break;
-                        case 3: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, 3); break;
-                        case 4: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, 4); break;
-                        case 5: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, 5); break;
-                        default: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, 6); break;
+                        WIDE_CASE(1); WIDE_CASE(2); WIDE_CASE(3); WIDE_CASE(4); WIDE_CASE(5);
+#if VW == 16
+                        WIDE_CASE(6); WIDE_CASE(7); WIDE_CASE(8); WIDE_CASE(9); WIDE_CASE(10); WIDE_CASE(11);
+#endif
+                        default: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, WIDE_ROWS); break;
                     }
                 }
             }
@@ -314,32 +510,32 @@ void add_rms_norm(float *x, const float *y, const float *w, float eps, float *ou
         float ss = 0.0f;
         if (y) {
             const float *ym = y + m * H;
+            #pragma omp simd
             for (int64_t i = 0; i < H; i++) xm[i] += ym[i];
         }
         #pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < H; i++) ss += xm[i] * xm[i];
         const float r = 1.0f / sqrtf(ss / (float)H + eps);
+        #pragma omp simd
         for (int64_t i = 0; i < H; i++) om[i] = xm[i] * r * w[i];
     }
 }
 
-// exp(x) for 8 floats: Cephes' expf (range reduction to [-ln2/2, ln2/2] and a degree-5
+// exp(x) for VW floats: Cephes' expf (range reduction to [-ln2/2, ln2/2] and a degree-5
 // polynomial, as in avx_mathfun), within ~2 ulp; inputs are clamped to the float range.
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+static inline vf vexp(vf x) {
+    x = vclamp(x, -87.3f, 88.3f);
+    const vf n = vround(vmul(x, vset(1.44269504088896341f)));
+    x = vfma(n, vset(-0.693359375f), x);
+    x = vfma(n, vset(2.12194440e-4f), x);
+    vf y = vset(1.9875691500e-4f);
+    y = vfma(y, x, vset(1.3981999507e-3f));
+    y = vfma(y, x, vset(8.3334519073e-3f));
+    y = vfma(y, x, vset(4.1665795894e-2f));
+    y = vfma(y, x, vset(1.6666665459e-1f));
+    y = vfma(y, x, vset(5.0000001201e-1f));
+    y = vfma(y, vmul(x, x), vadd(x, vset(1.0f)));
+    return vmul(y, vpow2(n));
 }
 
 // out[m, i] = silu(gate[m, i]) * up[m, i], with gate_up[m] = [gate | up] (the SwiGLU MLP's glue).
@@ -349,10 +545,10 @@ void silu_mul(const float *gate_up, float *out, int64_t M, int64_t F) {
         const float *g = gate_up + m * 2 * F, *u = g + F;
         float *o = out + m * F;
         int64_t i = 0;
-        for (; i + 8 <= F; i += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(sig, _mm256_loadu_ps(u + i)));
+        for (; i + VW <= F; i += VW) {
+            const vf gv = vload(g + i);
+            const vf sig = vdiv(gv, vadd(vset(1.0f), vexp(vsub(vzero(), gv))));
+            vstore(o + i, vmul(sig, vload(u + i)));
         }
         for (; i < F; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
@@ -369,16 +565,16 @@ static inline void rotate(const float *src, const float *rope, float *dst, int64
 
 // s[j] = exp(s[j] - best), exactly 0 for masked (-inf) scores; returns the sum.
 static inline float softmax_numerators(float *s, int64_t limit, float best) {
-    const __m256 neg_inf = _mm256_set1_ps(-INFINITY), b = _mm256_set1_ps(best);
-    __m256 sum = _mm256_setzero_ps();
+    const vf b = vset(best);
+    vf sum = vzero();
     int64_t j = 0;
-    for (; j + 8 <= limit; j += 8) {
-        const __m256 x = _mm256_loadu_ps(s + j);
-        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, b)), _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ));
-        _mm256_storeu_ps(s + j, e);
-        sum = _mm256_add_ps(sum, e);
+    for (; j + VW <= limit; j += VW) {
+        const vf x = vload(s + j);
+        const vf e = vzero_where_neg_inf(vexp(vsub(x, b)), x);
+        vstore(s + j, e);
+        sum = vadd(sum, e);
     }
-    float total = hsum(sum);
+    float total = vsum(sum);
     for (; j < limit; j++) {
         s[j] = s[j] == -INFINITY ? 0.0f : expf(s[j] - best);
         total += s[j];
@@ -386,28 +582,28 @@ static inline float softmax_numerators(float *s, int64_t limit, float best) {
     return total;
 }
 
-// softmax(q . k_j + mask_j) @ v over keys j < limit for one query; q and o are [8 * D] floats with
+// softmax(q . k_j + mask_j) @ v over keys j < limit for one query; q and o are [VW * D] floats with
 // D a compile-time constant at the call sites, so q and the output stay in registers.
 static inline __attribute__((always_inline)) void attend(
     const float *q, const float *k, const float *v, const float *mask, int64_t limit, float *s, float *o, const int D) {
-    __m256 qr[16], acc[16];
-    for (int d = 0; d < D; d++) qr[d] = _mm256_loadu_ps(q + 8 * d);
+    vf qr[16], acc[16];
+    for (int d = 0; d < D; d++) qr[d] = vload(q + VW * d);
     float best = -INFINITY;
     for (int64_t j = 0; j < limit; j++) {
-        __m256 dot = _mm256_mul_ps(qr[0], _mm256_loadu_ps(k + j * 8 * D));
-        for (int d = 1; d < D; d++) dot = _mm256_fmadd_ps(qr[d], _mm256_loadu_ps(k + j * 8 * D + 8 * d), dot);
-        s[j] = mask ? hsum(dot) + mask[j] : hsum(dot);
+        vf dot = vmul(qr[0], vload(k + j * VW * D));
+        for (int d = 1; d < D; d++) dot = vfma(qr[d], vload(k + j * VW * D + VW * d), dot);
+        s[j] = mask ? vsum(dot) + mask[j] : vsum(dot);
         best = s[j] > best ? s[j] : best;
     }
     const float total = softmax_numerators(s, limit, best);
-    for (int d = 0; d < D; d++) acc[d] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d++) acc[d] = vzero();
     for (int64_t j = 0; j < limit; j++) {
         if (s[j] == 0.0f) continue;
-        const __m256 p = _mm256_set1_ps(s[j]);
-        for (int d = 0; d < D; d++) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + j * 8 * D + 8 * d), acc[d]);
+        const vf p = vset(s[j]);
+        for (int d = 0; d < D; d++) acc[d] = vfma(p, vload(v + j * VW * D + VW * d), acc[d]);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / total);
-    for (int d = 0; d < D; d++) _mm256_storeu_ps(o + 8 * d, _mm256_mul_ps(acc[d], inv));
+    const vf inv = vset(1.0f / total);
+    for (int d = 0; d < D; d++) vstore(o + VW * d, vmul(acc[d], inv));
 }
 
 // The same for any head_dim, without registers kept across keys.
@@ -455,8 +651,8 @@ void attention(const float *qkv, int64_t n, const float *rope, float *kc, float 
                 const float *mi = mask ? mask + i * keys : NULL;
                 const int64_t limit = mask ? keys : slot + i + 1;
                 memcpy(q, o, hd * sizeof(float));  // o holds the rotated query until it is overwritten
-                if (hd == 64) attend(q, k, v, mi, limit, s, o, 8);
-                else if (hd == 128) attend(q, k, v, mi, limit, s, o, 16);
+                if (hd == 64) attend(q, k, v, mi, limit, s, o, 64 / VW);
+                else if (hd == 128) attend(q, k, v, mi, limit, s, o, 128 / VW);
                 else attend_any(q, k, v, mi, limit, hd, s, o);
             }
         }
@@ -467,23 +663,29 @@ void attention(const float *qkv, int64_t n, const float *rope, float *kc, float 
 
 // ---- The whole decoder stack in one call: no Python (or ctypes, or thread wake-up) between ops. ----
 
-// Per-layer weights and norm weights as arrays indexed by layer. format 0: int8 (Q8_0, *_q int8
-// [N, K] with *_s scales [N, K/32]); other formats: *_q panels as panel_linear, *_s unused. down's K is
-// the MLP width padded to a multiple of 32 (zero columns).
+// One GEMM's weights: format 0 is int8 (Q8_0 rows, w int8 [N, K] with scales s [N, K/32]); the
+// others are panels as panel_linear (s unused). Each GEMM has its own format (a GGUF-backed model
+// keeps every tensor in the encoding it was stored in).
 typedef struct {
-    const void *const *qkv_q, *const *o_q, *const *gate_up_q, *const *down_q;
-    const float *const *qkv_s, *const *o_s, *const *gate_up_s, *const *down_s;
+    const void *w;
+    const float *s;
+    int64_t format;
+} Linear;
+
+// Per-layer GEMMs and norm weights as arrays indexed by layer. down's K is the MLP width padded to
+// a multiple of 32 (zero columns).
+typedef struct {
+    const Linear *qkv, *o, *gate_up, *down;
     const float *const *input_norm, *const *post_norm;
     const float *final_norm;
-    int64_t format, layers, hidden, mlp, mlp_padded, heads, kv_heads, head_dim;
+    int64_t layers, hidden, mlp, mlp_padded, heads, kv_heads, head_dim;
     float eps;
 } Decoder;
 
-static void decoder_linear(const Decoder *d, const void *w, const float *s, const float *x, int64_t n, int64_t K,
-                           int64_t N, float *y, int wide) {
-    if (wide) linear_wide(x, n, K, w, s, (int)d->format, N, y);
-    else if (d->format == 0) q8_linear(x, n, K, w, s, N, y);
-    else panel_linear(x, n, K, w, N, y, (int)d->format);
+static void decoder_linear(const Linear *lin, const float *x, int64_t n, int64_t K, int64_t N, float *y, int wide) {
+    if (wide) linear_wide(x, n, K, lin->w, lin->s, (int)lin->format, N, y);
+    else if (lin->format == 0) q8_linear(x, n, K, lin->w, lin->s, N, y);
+    else panel_linear(x, n, K, lin->w, N, y, (int)lin->format);
 }
 
 // x [n, hidden]: input vectors, consumed as the residual stream; out [n, hidden]: final-norm
@@ -498,17 +700,225 @@ void decoder_forward(const Decoder *d, float *x, int64_t n, float *k_cache, floa
     float *gate_up = malloc(n * 2 * d->mlp * sizeof(float)), *act = calloc(n * d->mlp_padded, sizeof(float));
     add_rms_norm(x, NULL, d->input_norm[0], d->eps, h, n, H);
     for (int64_t l = 0; l < d->layers; l++) {
-        decoder_linear(d, d->qkv_q[l], d->qkv_s[l], h, n, H, QKV, qkv, wide);
+        decoder_linear(&d->qkv[l], h, n, H, QKV, qkv, wide);
         attention(qkv, n, rope, k_cache + l * layer_stride, v_cache + l * layer_stride, cap, slot, mask,
                   d->heads, d->kv_heads, d->head_dim, attn);
-        decoder_linear(d, d->o_q[l], d->o_s[l], attn, n, A, H, tmp, wide);
+        decoder_linear(&d->o[l], attn, n, A, H, tmp, wide);
         add_rms_norm(x, tmp, d->post_norm[l], d->eps, h, n, H);
-        decoder_linear(d, d->gate_up_q[l], d->gate_up_s[l], h, n, H, 2 * d->mlp, gate_up, wide);
+        decoder_linear(&d->gate_up[l], h, n, H, 2 * d->mlp, gate_up, wide);
         for (int64_t i = 0; i < n; i++)  // rows of act keep their zero padding
             silu_mul(gate_up + i * 2 * d->mlp, act + i * d->mlp_padded, 1, d->mlp);
-        decoder_linear(d, d->down_q[l], d->down_s[l], act, n, d->mlp_padded, H, tmp, wide);
+        decoder_linear(&d->down[l], act, n, d->mlp_padded, H, tmp, wide);
         const int last = l + 1 == d->layers;
         add_rms_norm(x, tmp, last ? d->final_norm : d->input_norm[l + 1], d->eps, last ? out : h, n, H);
     }
     free(h); free(tmp); free(qkv); free(attn); free(gate_up); free(act);
 }
+
+/* ---- sampling kernels ---- */
+// The per-round work between the model forwards (engine.sampling, engine.acceptance): the
+// temperature -> top-k -> top-p transform of a few logit rows, and the acceptance rules on the
+// target's kept support. Scalar C on a few dozen values per row: what costs here was the ~100
+// small torch ops per round, not arithmetic. The formulas and their float32 / float64 precision
+// follow the torch reference (sampling.sparse_probs, acceptance.verify) step by step, and
+// contraction into FMAs is off so that each product and difference rounds as it does there.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+// The k largest of row[0..n) into vals/ids, largest first; equal values keep the lower id first.
+static void top_k_row(const float *row, int64_t n, int64_t k, float *vals, int64_t *ids) {
+    int64_t m = 0;  // entries held
+    float floor = -INFINITY;  // the k-th value once k are held
+    for (int64_t base = 0; base < n; base += 64) {
+        const int64_t end = base + 64 < n ? base + 64 : n;
+        if (m == k) {  // skip blocks with nothing above the current k-th value (vectorised max)
+            float best = -INFINITY;
+            for (int64_t j = base; j < end; j++) best = row[j] > best ? row[j] : best;
+            if (!(best > floor)) continue;
+        }
+        for (int64_t j = base; j < end; j++) {
+            const float x = row[j];
+            if (m == k && !(x > floor)) continue;
+            int64_t at = m < k ? m++ : k - 1;  // the slot x enters from (the last one when full)
+            while (at > 0 && x > vals[at - 1]) {
+                vals[at] = vals[at - 1]; ids[at] = ids[at - 1]; at--;
+            }
+            vals[at] = x; ids[at] = j;
+            if (m == k) floor = vals[k - 1];
+        }
+    }
+}
+
+// sparse_probs for bounded top-k: rows of logits [rows, vocab] -> ids, probs [rows, k], sorted by
+// probability (largest first). softmax(values / temperature) over the k kept logits, then the
+// top-p cut (keep the smallest prefix whose mass reaches top_p; cumulative sums in float64 as
+// torch.cumsum accumulates) and renormalisation; greedy is k = 1 (probability exactly 1).
+void sample_support(const float *logits, int64_t rows, int64_t vocab, int64_t k, float temperature, float top_p,
+                    int64_t *ids, float *probs) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *p = probs + r * k;
+        int64_t *id = ids + r * k;
+        top_k_row(logits + r * vocab, vocab, k, p, id);
+        const float top = p[0] / temperature;
+        float total = 0.0f;
+        for (int64_t j = 0; j < k; j++) { p[j] = expf(p[j] / temperature - top); total += p[j]; }
+        for (int64_t j = 0; j < k; j++) p[j] = p[j] / total;
+        if (top_p < 1.0f) {
+            double cumulative = 0.0;
+            float kept = 0.0f;
+            for (int64_t j = 0; j < k; j++) {
+                cumulative += p[j];
+                const float before = (float)cumulative - p[j];
+                if (before >= top_p) p[j] = 0.0f;
+                kept += p[j];
+            }
+            for (int64_t j = 0; j < k; j++) p[j] = p[j] / kept;
+        }
+    }
+}
+
+// Inverse-CDF draw (sampling.sample_from) over weights w[0..n) listed in ascending token id:
+// the first index whose float64 cumulative sum exceeds u * total (zero weights never win).
+static int64_t draw_index(const float *w, int64_t n, float u) {
+    double total = 0.0;
+    for (int64_t j = 0; j < n; j++) total += w[j];
+    double uu = u < 0.0f ? 0.0 : (double)u;
+    if (uu > 1.0 - 1e-12) uu = 1.0 - 1e-12;
+    const double target = uu * total;
+    double cumulative = 0.0;
+    int64_t last = 0;
+    for (int64_t j = 0; j < n; j++) {
+        if (w[j] > 0.0f) last = j;
+        cumulative += w[j];
+        if (cumulative > target) return j;
+    }
+    return last;
+}
+
+// A support row's entries reordered by ascending token id (the order every draw runs in).
+static void by_id(const int64_t *ids, const float *probs, int64_t w, int64_t *out_ids, float *out_probs) {
+    for (int64_t j = 0; j < w; j++) {
+        int64_t at = j;
+        while (at > 0 && out_ids[at - 1] > ids[j]) {
+            out_ids[at] = out_ids[at - 1]; out_probs[at] = out_probs[at - 1]; at--;
+        }
+        out_ids[at] = ids[j]; out_probs[at] = probs[j];
+    }
+}
+
+// One sparse row (ids, probs: any order, w entries) drawn with u, in token-id order -> token id.
+int64_t draw_support(const int64_t *ids, const float *probs, int64_t w, float u) {
+    int64_t *sorted_ids = malloc(w * sizeof(int64_t));
+    float *sorted_probs = malloc(w * sizeof(float));
+    by_id(ids, probs, w, sorted_ids, sorted_probs);
+    const int64_t token = sorted_ids[draw_index(sorted_probs, w, u)];
+    free(sorted_ids); free(sorted_probs);
+    return token;
+}
+
+static float lookup(const int64_t *ids, const float *probs, int64_t w, int64_t token) {
+    for (int64_t j = 0; j < w; j++) if (ids[j] == token) return probs[j];
+    return 0.0f;
+}
+
+static float kl_term(float a, float b) {  // acceptance.binary_kl's term
+    return a > 0.0f ? a * (logf(a > 1e-30f ? a : 1e-30f) - logf(b > 1e-30f ? b : 1e-30f)) : 0.0f;
+}
+
+// acceptance.verify for one sequence on the target's sparse rows (method 0 sps, 1 tas, 2 cactus).
+// t_ids, t_probs [k+1, w]: T_1..T_{k+1} (sample_support's layout; zeros allowed); draft [k, vocab]:
+// the dense D_i rows; tokens, u_accept [k]; u_sample. Outputs: stats [6, k] = T_i(x_i), D_i(x_i),
+// gamma, P(accept), KL spent, accepted (0/1); entropy [k+1]; out [2] = (accepted count, next token);
+// emitted [2] = T and D (0 for the bonus) of the next token at its position.
+void verify_support(int method, int64_t k, int64_t w, const int64_t *t_ids, const float *t_probs,
+                    const float *draft, int64_t vocab, const int64_t *tokens, const float *u_accept, float u_sample,
+                    float delta, float posterior_threshold, float posterior_alpha,
+                    float *stats, float *entropy, int64_t *out, float *emitted) {
+    float *t_x = stats, *d_x = stats + k, *gamma = stats + 2 * k, *accept = stats + 3 * k, *kl = stats + 4 * k;
+    float *passed = stats + 5 * k;
+    const float two_delta = (float)(2.0 * (double)delta);
+    for (int64_t i = 0; i <= k; i++) {
+        float h = 0.0f;
+        for (int64_t j = 0; j < w; j++) {
+            const float p = t_probs[i * w + j];
+            h += p > 0.0f ? -(p * logf(p)) : 0.0f;
+        }
+        entropy[i] = h;
+    }
+    int64_t num_accepted = 0;
+    int cut = 0;
+    for (int64_t i = 0; i < k; i++) {
+        const int64_t x = tokens[i];
+        const float q = lookup(t_ids + i * w, t_probs + i * w, w, x);
+        t_x[i] = q;
+        d_x[i] = draft[i * vocab + x];
+        int ok;
+        if (method == 1) {
+            float medusa = 0.0f;  // Medusa's entropy: -sum T log(T + 1e-5)
+            for (int64_t j = 0; j < w; j++) {
+                const float p = t_probs[i * w + j];
+                medusa += p * logf(p + 1e-5f);
+            }
+            const float relative = posterior_alpha * expf(medusa);
+            const float threshold = posterior_threshold < relative ? posterior_threshold : relative;
+            ok = q > threshold;
+            gamma[i] = accept[i] = (float)ok;
+            kl[i] = -logf(ok ? (q > 1e-30f ? q : 1e-30f) : (t_probs[i * w] > 1e-30f ? t_probs[i * w] : 1e-30f));
+        } else {
+            float g = q;
+            if (method == 2) {
+                g = q + sqrtf(two_delta * q * (1.0f - q));
+                g = g < 0.0f ? 0.0f : (g > 1.0f ? 1.0f : g);
+            }
+            gamma[i] = g;
+            const float ratio = g / (d_x[i] > 1e-30f ? d_x[i] : 1e-30f);
+            accept[i] = ratio < 1.0f ? ratio : 1.0f;
+            ok = u_accept[i] < accept[i];
+            kl[i] = method == 2 ? kl_term(g, q) + kl_term(1.0f - g, 1.0f - q) : 0.0f;
+        }
+        passed[i] = (float)ok;
+        if (!cut && ok) num_accepted++;
+        else cut = 1;
+    }
+    const int64_t stop = num_accepted;
+    const int64_t *ids = t_ids + stop * w;
+    const float *row = t_probs + stop * w;
+    int64_t next;
+    float next_d = 0.0f;
+    if (stop < k && method == 1) {
+        next = ids[0];  // argmax T (ties: the lower id, as sample_support orders them)
+    } else {
+        int64_t *sorted_ids = malloc(w * sizeof(int64_t));
+        float *sorted_probs = malloc(w * sizeof(float)), *residual = malloc(w * sizeof(float));
+        by_id(ids, row, w, sorted_ids, sorted_probs);
+        float mass = 0.0f;
+        for (int64_t j = 0; j < w; j++) {
+            float h = sorted_probs[j];
+            if (stop < k) {
+                const int64_t x = tokens[stop];
+                if (method == 2) {
+                    const float q = t_x[stop], g = gamma[stop];
+                    float scale = (1.0f - g) / (1.0f - q);
+                    if (isnan(scale) || isinf(scale)) scale = 1.0f;
+                    h = sorted_ids[j] == x ? g : h * scale;
+                }
+                sorted_probs[j] = h;
+                const float d = draft[stop * vocab + sorted_ids[j]];
+                residual[j] = h - d > 0.0f ? h - d : 0.0f;
+            } else {
+                residual[j] = h;
+            }
+            mass += residual[j];
+        }
+        // A rejection with zero residual mass can only come from rounding (h == D); draw from h.
+        const int64_t at = draw_index(mass > 0.0f ? residual : sorted_probs, w, u_sample);
+        next = sorted_ids[at];
+        if (stop < k) next_d = draft[stop * vocab + next];
+        free(sorted_ids); free(sorted_probs); free(residual);
+    }
+    out[0] = num_accepted;
+    out[1] = next;
+    emitted[0] = lookup(ids, row, w, next);
+    emitted[1] = next_d;
+}
+#pragma GCC pop_options

@@ -1,9 +1,17 @@
 """Native CPU kernels (cpu_kernels.c), compiled on first use and loaded with ctypes.
 
-Why C and not a torch extension: the kernel needs no ATen, so a plain `cc -O3 -mavx2` build takes
+Why C and not a torch extension: the kernel needs no ATen, so a plain `cc -O3` build takes
 about a second (a torch C++ extension takes a minute of header parsing), and a ctypes call costs a
 few microseconds. The library links `libgomp.so.1`, the OpenMP runtime torch itself loads, so it
 shares torch's thread pool and follows `torch.set_num_threads`.
+
+One source, one build per instruction set (`ISAS`): the machines this project runs on range from
+Zen 1 (AVX2 only) to Xeons with AVX-512, and a kernel built for the wider vectors dies with
+"Illegal instruction" on the narrower CPU. `selected_isa()` picks the widest set whose flags the
+kernel reports in /proc/cpuinfo (flags the OS has not enabled are not listed there);
+`SPECPLAY_KERNEL_ISA=avx2` forces a narrower one. AMX and AVX512-FP16 variants would be further
+entries of `ISAS` with their own code paths in cpu_kernels.c; none is written yet (no machine to
+test them on).
 
 Everything here is optional: `available()` is False without a C compiler or without AVX2/FMA/F16C, and
 callers then fall back to plain torch ops (and, for float16 GEMMs, fbgemm).
@@ -18,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -35,53 +44,98 @@ PANEL = 16  # output channels per panel of the float weight layout (`pack_panels
 WIDE_MIN_ROWS = 24
 # The formats `linear_wide` runs its own GEMM for; cpu_kernels.c sends the others (fp32 and bf16
 # panels, nothing to widen) on to `panel_linear`.
-WIDE_FORMATS = ("float16", "int8")
+WIDE_FORMATS = ("float16", "int8", "q4_1")
+# Storage formats of one GEMM's weights, as cpu_kernels.c's codes: int8 is Q8_0 rows for int16
+# activations (`quantize_q8`); the others are 16-channel panels for fp32 activations (`pack_panels`,
+# and engine.models.q4_1_blocks for GGUF's Q4_1 and Q8_0 blocks).
+FORMAT_CODES = {"int8": 0, "float16": 1, "bfloat16": 2, "float32": 3, "q4_1": 4, "q8_0": 5}
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 
 
-def _cpu_supported() -> bool:
+@dataclass(frozen=True)
+class ISA:
+    """One build of cpu_kernels.c: the /proc/cpuinfo flags it needs and the compiler flags that
+    enable them; `vector_width` (floats) is what the build reports, as a check that it is this one."""
+
+    cpu_flags: frozenset[str]
+    compiler_flags: tuple[str, ...]
+    vector_width: int
+
+
+ISAS = {  # widest first
+    "avx512": ISA(frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+                  ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                   "-mprefer-vector-width=512"), 16),
+    "avx2": ISA(frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"), 8),
+}
+
+
+@cache
+def _cpu_flags() -> frozenset[str]:
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
-        return False
-    return {"avx2", "fma", "f16c"} <= set(flags.split())
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split())
 
 
-def _build() -> Path:
-    """Compile cpu_kernels.c into the cache, keyed by the source and flags (a no-op once built)."""
+def runnable_isas() -> list[str]:
+    """The builds this CPU can run, widest first."""
+    return [name for name, isa in ISAS.items() if isa.cpu_flags <= _cpu_flags()]
+
+
+def selected_isa() -> str | None:
+    """The build the kernels run: `SPECPLAY_KERNEL_ISA` if set (and runnable), else the widest runnable."""
+    runnable = runnable_isas()
+    forced = os.environ.get("SPECPLAY_KERNEL_ISA")
+    if forced:
+        if forced not in runnable:
+            raise RuntimeError(f"SPECPLAY_KERNEL_ISA={forced!r}: this CPU runs {runnable or 'none'} of {list(ISAS)}")
+        return forced
+    return runnable[0] if runnable else None
+
+
+def build(isa: str) -> Path:
+    """Compile cpu_kernels.c for `isa` into the cache, keyed by the source and flags (a no-op once built)."""
+    flags = [*_COMMON_FLAGS, *ISAS[isa].compiler_flags]
     source = _SOURCE.read_bytes()
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
+    key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"cpu_kernels-{isa}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # atomic: concurrent builders race safely
             out = Path(tmp) / target.name
-            subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(out)], check=True, capture_output=True)
+            subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(out)], check=True, capture_output=True)
             os.replace(out, target)
     return target
 
 
-class _DecoderLayout(ctypes.Structure):
-    """Mirror of `Decoder` in cpu_kernels.c: per-layer pointer arrays and the model's sizes."""
+class _Linear(ctypes.Structure):
+    """Mirror of `Linear` in cpu_kernels.c: one GEMM's weights, scales (int8 only) and format code."""
 
-    _fields_ = [(name, ctypes.POINTER(ctypes.c_void_p)) for name in
-                ("qkv_q", "o_q", "gate_up_q", "down_q", "qkv_s", "o_s", "gate_up_s", "down_s",
-                 "input_norm", "post_norm")] + [("final_norm", ctypes.c_void_p)] + [
+    _fields_ = [("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("format", ctypes.c_int64)]
+
+
+class _DecoderLayout(ctypes.Structure):
+    """Mirror of `Decoder` in cpu_kernels.c: per-layer arrays and the model's sizes."""
+
+    _fields_ = [(name, ctypes.POINTER(_Linear)) for name in ("qkv", "o", "gate_up", "down")] + [
+                (name, ctypes.POINTER(ctypes.c_void_p)) for name in ("input_norm", "post_norm")] + [
+                ("final_norm", ctypes.c_void_p)] + [
                 (name, ctypes.c_int64) for name in
-                ("format", "layers", "hidden", "mlp", "mlp_padded", "heads", "kv_heads", "head_dim")] + [
+                ("layers", "hidden", "mlp", "mlp_padded", "heads", "kv_heads", "head_dim")] + [
                 ("eps", ctypes.c_float)]
 
 
 @cache
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get("SPECPLAY_NO_NATIVE") or not _cpu_supported():
-        return None
+def load(isa: str) -> ctypes.CDLL | None:
+    """The kernels built for `isa` (which this CPU must run), or None where they do not build."""
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = ctypes.CDLL(str(build(isa)))
     except (OSError, RuntimeError, subprocess.CalledProcessError):
         return None
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -98,7 +152,18 @@ def _library() -> ctypes.CDLL | None:
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, argtypes
+    lib.kernel_vector_width.restype, lib.kernel_vector_width.argtypes = ctypes.c_int, []
+    if lib.kernel_vector_width() != ISAS[isa].vector_width:
+        raise RuntimeError(f"the {isa} build of cpu_kernels.c reports {lib.kernel_vector_width()}-float vectors")
     return lib
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("SPECPLAY_NO_NATIVE"):
+        return None
+    isa = selected_isa()
+    return None if isa is None else load(isa)
 
 
 def available() -> bool:
@@ -175,31 +240,34 @@ def pack_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float16) -> tor
     return panels.contiguous().view(-1, k, PANEL)
 
 
-_PANEL_FORMATS = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}  # cpu_kernels.c's codes (0: int8)
+_PANEL_DTYPE_FORMATS = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    """float32 x [M, K] @ W^T, W [out_features, K] stored by `pack_panels` -> float32 [M, out_features],
-    accumulated in float32 on the native kernel (rows independent, as `q8_linear`)."""
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, weight_format: str | None = None
+                 ) -> torch.Tensor:
+    """float32 x [M, K] @ W^T, W [out_features, K] stored by `pack_panels` (format: the panels' dtype)
+    or as GGUF blocks by engine.models.q4_1_blocks (weight_format "q4_1" or "q8_0") -> float32
+    [M, out_features], accumulated in float32 on the native kernel (rows independent, as `q8_linear`)."""
     x = pad_to_group(x.float()).contiguous()
     y = torch.empty(x.shape[0], out_features)
-    _library().panel_linear(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(), out_features, y.data_ptr(),
-                            _PANEL_FORMATS[panels.dtype])
+    code = FORMAT_CODES[weight_format or _PANEL_DTYPE_FORMATS[panels.dtype]]
+    _library().panel_linear(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(), out_features, y.data_ptr(), code)
     return y
 
 
 def linear_wide(x: torch.Tensor, weight: torch.Tensor, out_features: int,
-                scales: torch.Tensor | None = None) -> torch.Tensor:
-    """The prefill GEMM: `panel_linear` (weight: `pack_panels`) or `q8_linear` (weight and scales:
-    `quantize_q8`) for many rows. fp16 and int8 weights are widened to float32 once per panel of 16
-    channels and a 6 x 16 register block runs near the FMA peak; fp32 and bf16 panels stay on
-    `panel_linear`. fp16 rows equal `panel_linear`'s bit for bit; int8 weights meet float32
-    activations here, so int8 rows differ from `q8_linear`'s (prefills only: `WIDE_MIN_ROWS`)."""
+                scales: torch.Tensor | None = None, weight_format: str | None = None) -> torch.Tensor:
+    """The prefill GEMM: `panel_linear` (weight: panels, `weight_format` as there) or `q8_linear`
+    (weight and scales: `quantize_q8`) for many rows. fp16, Q4_1 and Q8_0 weights are widened to
+    float32 once per panel of 16 channels and a register block of 6 (AVX2) or 12 (AVX-512) rows x 16
+    channels runs near the FMA peak; fp32 and bf16 panels stay on `panel_linear`. Panel formats'
+    rows equal `panel_linear`'s bit for bit; int8 weights meet float32 activations here, so int8 rows
+    differ from `q8_linear`'s (prefills only: `WIDE_MIN_ROWS`)."""
     x = pad_to_group(x.float()).contiguous()
     y = torch.empty(x.shape[0], out_features)
-    weight_format = 0 if scales is not None else _PANEL_FORMATS[weight.dtype]
+    code = 0 if scales is not None else FORMAT_CODES[weight_format or _PANEL_DTYPE_FORMATS[weight.dtype]]
     _library().linear_wide(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
-                           None if scales is None else scales.data_ptr(), weight_format, out_features, y.data_ptr())
+                           None if scales is None else scales.data_ptr(), code, out_features, y.data_ptr())
     return y
 
 
@@ -236,34 +304,36 @@ def attention(qkv: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 class NativeDecoder:
-    """A whole Llama decoder stack as one native call (`decoder_forward` in cpu_kernels.c), with
-    int8 (`quantize_q8`) or float16, bfloat16 and float32 panels (`pack_panels`).
+    """A whole Llama decoder stack as one native call (`decoder_forward` in cpu_kernels.c), each GEMM
+    in its own storage format (`FORMAT_CODES`).
 
     Between the ops of a decode step there is then no Python, no ctypes call and no OpenMP
     wake-up: on the default target that was ~4 of ~17 ms per int8 token. The weights stay owned
     by the caller's tensors (referenced here so they outlive the pointers).
     """
 
-    FORMATS = {"int8": 0, "float16": 1, "bfloat16": 2, "float32": 3}
+    GEMMS = ("qkv", "o", "gate_up", "down")
 
-    def __init__(self, weight_format: str, layers: Sequence[dict[str, torch.Tensor | None]], final_norm: torch.Tensor,
-                 *, mlp: int, heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
-        """layers: per layer, the weights qkv_q, o_q, gate_up_q, down_q (int8 [N, K'] or panels
-        [N / PANEL, K', PANEL], K' padded to GROUP), their scales qkv_s, ... (int8; None
-        otherwise) and the norm weights input_norm, post_norm."""
+    def __init__(self, layers: Sequence[dict], final_norm: torch.Tensor, *, mlp: int, heads: int, kv_heads: int,
+                 head_dim: int, eps: float) -> None:
+        """layers: per layer, the GEMMs qkv, o, gate_up, down as objects with `weight` (int8 [N, K'] or
+        panels, K' padded to GROUP), `scales` (int8; else None) and `format` (a key of FORMAT_CODES),
+        and the norm weights input_norm, post_norm."""
         hidden = final_norm.shape[0]
         if hidden % GROUP or heads * head_dim % GROUP:
             raise ValueError(f"the native decoder needs hidden size and heads x head_dim divisible by {GROUP}")
         self._keep = [layers, final_norm]
         arrays = {}
-        for name in ("qkv_q", "o_q", "gate_up_q", "down_q", "qkv_s", "o_s", "gate_up_s", "down_s",
-                     "input_norm", "post_norm"):
-            ptrs = [None if layer[name] is None else layer[name].data_ptr() for layer in layers]
-            arrays[name] = (ctypes.c_void_p * len(layers))(*ptrs)
+        for name in self.GEMMS:
+            arrays[name] = (_Linear * len(layers))(*[
+                _Linear(layer[name].weight.data_ptr(),
+                        None if layer[name].scales is None else layer[name].scales.data_ptr(),
+                        FORMAT_CODES[layer[name].format]) for layer in layers])
+        for name in ("input_norm", "post_norm"):
+            arrays[name] = (ctypes.c_void_p * len(layers))(*[layer[name].data_ptr() for layer in layers])
         self._keep.append(arrays)
-        self.layout = _DecoderLayout(**arrays, final_norm=final_norm.data_ptr(), format=self.FORMATS[weight_format],
-                                     layers=len(layers), hidden=hidden, mlp=mlp,
-                                     mlp_padded=mlp + -mlp % GROUP, heads=heads, kv_heads=kv_heads,
+        self.layout = _DecoderLayout(**arrays, final_norm=final_norm.data_ptr(), layers=len(layers), hidden=hidden,
+                                     mlp=mlp, mlp_padded=mlp + -mlp % GROUP, heads=heads, kv_heads=kv_heads,
                                      head_dim=head_dim, eps=eps)
 
     def __call__(self, x: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int,
@@ -278,3 +348,25 @@ class NativeDecoder:
                                    v_cache.data_ptr(), k_cache.shape[2], rope.data_ptr(), slot,
                                    None if mask is None else mask.data_ptr(), int(wide), out.data_ptr())
         return out
+
+
+# ---- sampling kernels ----
+# Bindings for the per-round sampling and acceptance kernels at the end of cpu_kernels.c; the
+# wrappers with the torch references beside them are engine.sampling and engine.acceptance.
+
+RULE_CODES = {"sps": 0, "tas": 1, "cactus": 2}
+
+
+@cache
+def sampling_library() -> ctypes.CDLL | None:
+    """The kernel library with the sampling kernels' signatures set, or None without the kernels."""
+    lib = _library()
+    if lib is None:
+        return None
+    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.sample_support.restype, lib.sample_support.argtypes = None, [ptr, i64, i64, i64, f32, f32, ptr, ptr]
+    lib.draw_support.restype, lib.draw_support.argtypes = i64, [ptr, ptr, i64, f32]
+    lib.verify_support.restype = None
+    lib.verify_support.argtypes = [ctypes.c_int, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, f32, f32, f32, f32,
+                                   ptr, ptr, ptr, ptr]
+    return lib

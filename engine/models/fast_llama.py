@@ -43,10 +43,10 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from engine.models import cpu_kernels
+from engine.models import cpu_kernels, q4_1_blocks
 from engine.models.causal_lm import CausalLM
 
-WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8")
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8", "q4_1")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq does not change with length
 
 
@@ -91,12 +91,16 @@ class PackedLinear:
     Where the native kernels built (cpu_kernels.c), every format runs on them, with fp32
     activations and accumulation:
     float32, float16, bfloat16  weights in 16-channel panels (`cpu_kernels.panel_linear`);
+    q4_1     the GGUF blocks that reproduce the float weights exactly (Q4_1, or Q8_0 for the
+             embedding), else float32 panels (`q4_1_blocks.exact_blocks`): the float32 reference's
+             products, bit for bit, from a sixth of the bytes;
     int8     llama.cpp's Q8_0 weights (int8 per group of 32) x int16 activations (per row and
              group, so a row's result never depends on the other rows), exact integer group sums,
              float32 accumulation across groups.
     A prefill (`prefill=True`) runs through `cpu_kernels.linear_wide` instead. Without the
-    kernels: float32 on oneDNN with a prepacked weight, both 16-bit formats on fbgemm's fp16 GEMM
-    (bf16 values in fp16's range are exact in fp16), int8 in torch.
+    kernels: float32 and q4_1 on oneDNN with a prepacked float32 weight, both 16-bit formats on
+    fbgemm's fp16 GEMM (bf16 values in fp16's range are exact in fp16), int8 in torch.
+    `format` is the storage format of this GEMM (for q4_1: "q4_1", "q8_0" or "float32").
     """
 
     _PANEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -104,16 +108,18 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, dtype: str) -> None:
         if dtype not in WEIGHT_DTYPES:
             raise ValueError(f"unknown weight_dtype {dtype!r}; expected one of {', '.join(WEIGHT_DTYPES)}")
-        self.dtype = dtype
+        self.dtype = self.format = dtype
         self.out_features = weight.shape[0]
         self.scales = None  # int8 only
         self.native = cpu_kernels.available()
         weight = weight.detach().float().contiguous()
         if dtype == "int8":
             self.weight, self.scales = cpu_kernels.quantize_q8(weight)
+        elif self.native and dtype == "q4_1":
+            self.format, self.weight = q4_1_blocks.exact_blocks(weight)
         elif self.native:
             self.weight = cpu_kernels.pack_panels(weight, self._PANEL_DTYPES[dtype])
-        elif dtype == "float32":
+        elif dtype in ("float32", "q4_1"):
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if _ONEDNN_FP32 else weight
         else:
             rounded = weight.to(self._PANEL_DTYPES[dtype]).float()
@@ -122,14 +128,14 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
         """`prefill`: rows need not be batch-invariant (see cpu_kernels.WIDE_MIN_ROWS)."""
         if self.native and prefill:
-            return cpu_kernels.linear_wide(x, self.weight, self.out_features, self.scales)
+            return cpu_kernels.linear_wide(x, self.weight, self.out_features, self.scales, self.format)
         if self.dtype == "int8":  # native or its torch fallback
             return cpu_kernels.q8_linear(x, self.weight, self.scales)
         if self.native:
-            return cpu_kernels.panel_linear(x, self.weight, self.out_features)
-        if self.dtype == "float32" and _ONEDNN_FP32:
+            return cpu_kernels.panel_linear(x, self.weight, self.out_features, self.format)
+        if self.dtype in ("float32", "q4_1") and _ONEDNN_FP32:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        if self.dtype != "float32" and _FBGEMM_FP16:
+        if self.dtype not in ("float32", "q4_1") and _FBGEMM_FP16:
             return torch.ops.quantized.linear_dynamic_fp16(x, self.weight)
         return F.linear(x, self.weight)
 
@@ -187,17 +193,15 @@ class FastLlamaWeights:
 
     @cached_property
     def native_decoder(self) -> cpu_kernels.NativeDecoder | None:
-        """The whole layer stack as one native call, for the formats with native GEMMs where the
-        kernels built and the sizes fit."""
-        if self.weight_dtype not in cpu_kernels.NativeDecoder.FORMATS or not self.layers[0].qkv.native or (
+        """The whole layer stack as one native call, where the kernels built and the sizes fit."""
+        if not self.layers[0].qkv.native or (
                 self.hidden % cpu_kernels.GROUP or self.n_heads * self.head_dim % cpu_kernels.GROUP):
             return None
-        layers = [{f"{name}_{part}": getattr(getattr(layer, name), attr)
-                   for name in ("qkv", "o", "gate_up", "down") for part, attr in (("q", "weight"), ("s", "scales"))}
+        layers = [{name: getattr(layer, name) for name in cpu_kernels.NativeDecoder.GEMMS}
                   | {"input_norm": layer.input_norm, "post_norm": layer.post_norm} for layer in self.layers]
-        return cpu_kernels.NativeDecoder(self.weight_dtype, layers, self.norm,
-                                         mlp=self.layers[0].gate_up.out_features // 2, heads=self.n_heads,
-                                         kv_heads=self.n_kv_heads, head_dim=self.head_dim, eps=self.eps)
+        return cpu_kernels.NativeDecoder(layers, self.norm, mlp=self.layers[0].gate_up.out_features // 2,
+                                         heads=self.n_heads, kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+                                         eps=self.eps)
 
     @cached_property
     def lm_head(self) -> PackedLinear:
