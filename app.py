@@ -72,22 +72,28 @@ def run_playground(args: argparse.Namespace) -> int:
 
     from playground.app import launch
     from playground.devices import place_pair
-    from playground.runner import PlaygroundContext, measure_ar_baseline
+    from playground.engine_loop import EngineLoop
+    from playground.limits import DEFAULT_PROMPT, DEFAULT_SETTINGS, build_config
+    from playground.runner import PlaygroundContext, measure_ar_reference
 
     from engine.ssd.devices import parse_devices
 
     if args.ssd_devices:
         parse_devices(args.ssd_devices)  # a bad spec is a clear error now, not on the first SSD request
-    pair = load_pair(check_pair(args.pair))
-    devices = place_pair(pair, args.devices)
+    # Loading runs on the engine thread too: a parallel region opened by any other thread would
+    # give the process a second OpenMP team and halve the engine's speed (playground/engine_loop.py).
+    engine = EngineLoop()
+    pair = engine.call(load_pair, check_pair(args.pair))
+    devices = engine.call(place_pair, pair, args.devices)
     limits = Limits.for_device(gpu=devices.startswith("target cuda"))
     if args.concurrency:
         limits = replace(limits, concurrency=args.concurrency)
     ctx = PlaygroundContext(pair_name=args.pair, pair=pair, limits=limits, drafter_kind=args.drafter, devices=devices,
-                            ssd_devices=args.ssd_devices, weight_dtype=args.weights)
-    print(f"specplay: pair {args.pair} on {devices}; measuring the AR baseline…", flush=True)
-    measure_ar_baseline(ctx, pair.encode_prompt("Write a short poem about the sea."))
-    print(f"specplay: {ctx.ar_baseline_note}", flush=True)
+                            ssd_devices=args.ssd_devices, weight_dtype=args.weights, engine=engine)
+    print(f"specplay: pair {args.pair} on {devices}; measuring the AR reference…", flush=True)
+    settings = {**DEFAULT_SETTINGS, "method": "ar", "k": 1}
+    reference = measure_ar_reference(ctx, pair.encode_prompt(DEFAULT_PROMPT), build_config(limits, **settings))
+    print(f"specplay: {reference.how}", flush=True)
     launch(ctx, args.host, args.port)
     return 0
 

@@ -17,6 +17,10 @@ METHOD_LABELS = {"ar": "AR (baseline)", "sps": "SpS (lossless)", "tas": "TAS (ty
                  "ssd": "SSD (Saguaro, async draft)"}
 SSD_RULES = ("sps", "tas", "cactus")  # the acceptance rule SSD verifies with
 MAX_SSD_BUDGET = 64
+DEFAULT_PROMPT = "Write a short poem about the sea."
+# The Generate tab's starting values; the start-up AR reference is measured with the same ones.
+DEFAULT_SETTINGS = {"method": "cactus", "delta": 1.0, "temperature": 0.8, "top_p": 0.95, "top_k": 40,
+                    "posterior_threshold": 0.09, "posterior_alpha": 0.3, "max_new_tokens": 96, "seed": 0}
 
 
 @dataclass(frozen=True)

@@ -19,21 +19,29 @@ import pandas as pd
 
 from engine.config import SpecConfig
 from engine.decoding import generate
-from engine.events import RoundEvent
 from engine.models.registry import DEFAULT_FAST_WEIGHTS, ModelPair
 from engine.ssd.ssd_decoding import SSDEngine
+from playground.engine_loop import EngineLoop, RunHandle
 from playground.limits import Limits, inspector_width
 from playground.session import Session, SessionStore
 from playground.state import RunState, reduce, summary
 
-YIELD_INTERVAL_SECONDS = 0.1  # token view refresh; charts have their own timer
-AR_BASELINE_TOKENS = 32  # an AR run at least this long (EOS ignored or not) measures the "x AR" baseline
+FRAME_SECONDS = 0.1  # how often a waiting handler hands the page a new snapshot of its run
+AR_REFERENCE_TOKENS = 32  # an AR run at least this long, alone on the engine, becomes its session's reference
 VLLM_TARGET_NAMES = {"default": "HuggingFaceTB/SmolLM2-135M-Instruct", "tiny": "./tiny-target (test pair)"}
+
+
+@dataclass(frozen=True)
+class ARReference:
+    """The AR speed a "x AR" readout divides by, and how and when it was measured (shown on the page)."""
+
+    tokens_per_s: float
+    how: str
 
 
 @dataclass
 class PlaygroundContext:
-    """Everything the handlers share: the loaded pair (read-only), limits, sessions, AR baseline."""
+    """Everything the handlers share: the loaded pair (read-only), limits, sessions, the engine threads."""
 
     pair_name: str
     pair: ModelPair
@@ -41,13 +49,20 @@ class PlaygroundContext:
     sessions: SessionStore = field(default_factory=SessionStore)
     drafter_kind: str = "model"
     devices: str = "cpu"
-    ar_baseline_tps: float | None = None
-    ar_baseline_note: str = "not measured yet"
-    active_runs: int = 0  # engine loops running right now (for the health line and tests)
     ssd_devices: str = ""  # "target=cpu:0,draft=cpu:1"; empty = the engine's default split
     weight_dtype: str = DEFAULT_FAST_WEIGHTS  # the fast backend's weight format (app.py --weights)
+    startup_reference: ARReference | None = None  # a session's reference until it runs AR itself
+    engine: EngineLoop = field(default_factory=EngineLoop)  # owns every torch call of the synchronous methods
+    # SSD pins its thread to the target's cores and torch threads for a whole generation, so it gets
+    # its own thread rather than leaking that pinning into other sessions' rounds.
+    ssd_loop: EngineLoop = field(default_factory=lambda: EngineLoop("specplay-ssd"))
     _ssd: SSDEngine | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def active_runs(self) -> int:
+        """Engine runs in progress right now (for the health line and tests)."""
+        return self.engine.active_runs + self.ssd_loop.active_runs
 
     def make_models(self, method: str):
         target = self.pair.make_target(weight_dtype=self.weight_dtype)
@@ -68,82 +83,115 @@ class PlaygroundContext:
     def with_inspector(self, cfg: SpecConfig) -> SpecConfig:
         return replace(cfg, inspect_top_n=inspector_width(self.pair.vocab_size, cfg.top_k))
 
-    def run_count(self, delta: int) -> None:
-        with self._lock:
-            self.active_runs += delta
+    def loop_for(self, ssd: bool) -> EngineLoop:
+        return self.ssd_loop if ssd else self.engine
 
-    def refresh_ar_baseline(self, metrics: dict) -> None:
-        """An AR run of at least AR_BASELINE_TOKENS that had the machine to itself becomes the
-        baseline: the start-up measurement comes out low when the machine was busy then."""
-        if metrics.get("new_tokens", 0) >= AR_BASELINE_TOKENS and metrics.get("decode_tokens_per_s"):
-            self.ar_baseline_tps = metrics["decode_tokens_per_s"]
-            self.ar_baseline_note = (f"AR baseline {self.ar_baseline_tps:.1f} tok/s (the last AR run alone on the "
-                                     f"machine, {metrics['new_tokens']} tokens)")
+    def reference_for(self, session: Session | None) -> ARReference | None:
+        """The session's own AR measurement, else the start-up one: never another visitor's."""
+        return (session.ar_reference if session is not None and session.ar_reference else None) \
+            or self.startup_reference
 
 
-def measure_ar_baseline(ctx: PlaygroundContext, prompt_ids: Sequence[int], new_tokens: int = AR_BASELINE_TOKENS) -> float:
-    """Plain AR tokens/s of this target on this machine (greedy, EOS ignored): the speedup reference."""
-    cfg = SpecConfig(method="ar", max_new_tokens=new_tokens, temperature=0.0)
-    warm_up = SpecConfig(method="ar", max_new_tokens=8)
-    list(generate(ctx.make_models("ar")[0], None, ctx.pair.tokenizer, prompt_ids, warm_up))
-    finish = list(generate(ctx.make_models("ar")[0], None, ctx.pair.tokenizer, prompt_ids, cfg))[-1]
-    tps = finish.metrics["decode_tokens_per_s"]
-    ctx.ar_baseline_tps = tps
-    ctx.ar_baseline_note = f"AR baseline {tps:.1f} tok/s (greedy, {new_tokens} tokens after a warm-up, measured at start-up)"
-    return tps
-
-
-def stream_run(ctx: PlaygroundContext, control: SpecConfig, prompt_ids: Sequence[int], stop: threading.Event,
-               run: RunState, deadline: float, yield_every: float = YIELD_INTERVAL_SECONDS,
-               outer_stop: threading.Event | None = None, ssd: bool = False) -> Iterator[RunState]:
-    """Drive one engine generation into `run`, yielding it at most every `yield_every` seconds.
-
-    The engine reads `control` at every round (live tuning) and checks `stop` before every round;
-    past `deadline` (monotonic) we set `stop` ourselves. Closing this generator (Gradio cancel,
-    client disconnect) also sets `stop`, so the engine never runs on unseen. `outer_stop` is a
-    whole-job Stop (compare, sweep) forwarded to this run's own `stop`. `ssd` runs the SSD engine
-    (draft worker on its own device) with `control.method` as its acceptance rule.
-    """
-    ctx.run_count(+1)
-    alone = ctx.active_runs == 1
-    last = 0.0
-    try:
+def start_run(ctx: PlaygroundContext, control: SpecConfig, prompt_ids: Sequence[int], run: RunState,
+              deadline: float, *, ssd: bool = False, paused: bool = False, steps: int = 1) -> RunHandle:
+    """Put one generation on its engine thread. The engine reads `control` at every round (live
+    tuning); the models are made on the engine thread too, so no other thread opens a parallel region.
+    A `paused` run parks after `steps` rounds (0: before its prefill)."""
+    def events():
         if ssd:
-            events = ctx.ssd_engine().generate([prompt_ids], control, eos_token_ids=ctx.pair.eos_token_ids, stop=stop)
-        else:
-            target, drafter = ctx.make_models(control.method)
-            events = generate(target, drafter, ctx.pair.tokenizer, prompt_ids, control,
-                              eos_token_ids=ctx.pair.eos_token_ids, stop=stop)
-        for event in events:
-            reduce(run, event)
+            return ctx.ssd_engine().generate([prompt_ids], control, eos_token_ids=ctx.pair.eos_token_ids,
+                                             stop=handle.stop)
+        target, drafter = ctx.make_models(control.method)
+        return generate(target, drafter, ctx.pair.tokenizer, prompt_ids, control,
+                        eos_token_ids=ctx.pair.eos_token_ids, stop=handle.stop)
+
+    handle = RunHandle(events, run, deadline, paused=paused, steps=steps if paused else 0,
+                       time_limit_note=f"time limit of {ctx.limits.max_seconds:.0f} s reached; stopped")
+    return ctx.loop_for(ssd).start(handle)
+
+
+def follow(ctx: PlaygroundContext, handle: RunHandle, *, frame_seconds: float = FRAME_SECONDS,
+           outer_stop: threading.Event | None = None, ssd: bool = False) -> Iterator[RunState]:
+    """The run's folded state once per frame until it ends (then once more, complete).
+
+    Closing this generator (Gradio cancel, client disconnect) stops the run, so the engine never
+    runs on unseen; `outer_stop` is a whole-job Stop (compare, sweep) forwarded to the run.
+    """
+    loop = ctx.loop_for(ssd)
+    try:
+        while not handle.done.wait(frame_seconds):
             if outer_stop is not None and outer_stop.is_set():
-                stop.set()
-            now = time.monotonic()
-            if now > deadline and not stop.is_set():
-                stop.set()
-                run.error = f"time limit of {ctx.limits.max_seconds:.0f} s reached; stopped"
-            if isinstance(event, RoundEvent) and now - last >= yield_every:
-                last = now
-                yield run
-        if control.method == "ar" and not ssd and run.finish and alone and ctx.active_runs == 1:
-            ctx.refresh_ar_baseline(run.finish.metrics)
-    except ValueError as err:  # a bad setting the limits did not catch: say it, do not crash the session
-        run.error = str(err)
+                loop.stop(handle)
+            yield handle.state()
     finally:
-        stop.set()
-        ctx.run_count(-1)
-    yield run
+        if not handle.done.is_set():
+            loop.stop(handle)
+    yield handle.state()
+
+
+def stream_run(ctx: PlaygroundContext, control: SpecConfig, prompt_ids: Sequence[int], run: RunState,
+               deadline: float, *, frame_seconds: float = FRAME_SECONDS, outer_stop: threading.Event | None = None,
+               ssd: bool = False) -> Iterator[RunState]:
+    """Start a run and follow it (compare, sweep and tests; the Generate tab keeps the handle)."""
+    handle = start_run(ctx, control, prompt_ids, run, deadline, ssd=ssd)
+    yield from follow(ctx, handle, frame_seconds=frame_seconds, outer_stop=outer_stop, ssd=ssd)
+
+
+def measure_ar_reference(ctx: PlaygroundContext, prompt_ids: Sequence[int], cfg: SpecConfig,
+                         repeats: int = 2) -> ARReference:
+    """AR on the page's own pipeline (engine thread, inspector on, the page's default settings),
+    after a warm-up: the "x AR" reference of every session until it times AR itself."""
+    control = ctx.with_inspector(replace(cfg, method="ar"))
+    deadline = time.monotonic() + ctx.limits.max_seconds
+    for _ in stream_run(ctx, replace(control, max_new_tokens=8), prompt_ids, RunState(), deadline):
+        pass
+    speeds = []
+    for _ in range(repeats):
+        run = RunState(method="ar", config=control.as_dict())
+        for run in stream_run(ctx, control, prompt_ids, run, deadline):
+            pass
+        if run.finish is None:
+            raise RuntimeError(f"the AR reference run failed: {run.error}")
+        speeds.append(run.finish.metrics["decode_tokens_per_s"])
+    tps = sorted(speeds)[len(speeds) // 2]
+    ctx.startup_reference = ARReference(tps, f"AR {tps:.1f} tok/s: this page's pipeline at start-up "
+                                             f"({time.strftime('%H:%M UTC', time.gmtime())}, {control.max_new_tokens} "
+                                             f"tokens at T {control.temperature:g}, median of {repeats})")
+    return ctx.startup_reference
+
+
+def session_ar_reference(handle: RunHandle, ssd: bool) -> ARReference | None:
+    """A finished AR run that had the engine to itself, unpaused and long enough, becomes its
+    session's reference; anything else would compare unlike with like."""
+    run = handle.run
+    m = run.finish.metrics if run.finish else {}
+    if (run.method != "ar" or ssd or handle.max_concurrent > 1 or handle.paused_seconds > 0
+            or m.get("new_tokens", 0) < AR_REFERENCE_TOKENS or not m.get("decode_tokens_per_s")):
+        return None
+    tps = m["decode_tokens_per_s"]
+    return ARReference(tps, f"AR {tps:.1f} tok/s: your AR run at {time.strftime('%H:%M:%S UTC', time.gmtime())} "
+                            f"({m['new_tokens']} tokens, alone on the engine)")
 
 
 def start_session_run(ctx: PlaygroundContext, session: Session, cfg: SpecConfig, prompt_ids: Sequence[int],
                       ssd: bool = False) -> Iterator[RunState]:
-    """A Generate-tab run: installs a fresh control object, stop Event and run state in the session."""
-    session.stop.set()  # a previous run of this session, if any, stops at its next round
-    stop = threading.Event()
+    """A Generate-tab run: installs a fresh control object, handle and run state in the session.
+
+    If the session armed Pause before the run, the run parks after its first round.
+    """
+    if session.handle is not None:
+        ctx.loop_for(session.handle_ssd).stop(session.handle)  # a previous run stops at its next round
     control = ctx.with_inspector(cfg)
     run = RunState(method="ssd" if ssd else cfg.method, config=control.as_dict())
-    session.stop, session.control, session.run, session.rendered_version = stop, control, run, -1
-    yield from stream_run(ctx, control, prompt_ids, stop, run, time.monotonic() + ctx.limits.max_seconds, ssd=ssd)
+    session.control, session.run, session.rendered_version = control, run, -1
+    handle = start_run(ctx, control, prompt_ids, run, time.monotonic() + ctx.limits.max_seconds, ssd=ssd,
+                       paused=session.pause_next)
+    session.handle, session.handle_ssd, session.pause_next = handle, ssd, False
+    yield run
+    yield from follow(ctx, handle, ssd=ssd)
+    reference = session_ar_reference(handle, ssd)
+    if reference is not None:
+        session.ar_reference = reference
 
 
 def run_compare(ctx: PlaygroundContext, methods: Sequence[str], cfg: SpecConfig, prompt_ids: Sequence[int],
@@ -160,8 +208,8 @@ def run_compare(ctx: PlaygroundContext, methods: Sequence[str], cfg: SpecConfig,
         # SSD verifies with SpS here, so it lines up with the synchronous SpS row.
         control = ctx.with_inspector(replace(cfg, method="sps" if method == "ssd" else method))
         run = runs[method] = RunState(method=method, config=control.as_dict())
-        for _ in stream_run(ctx, control, prompt_ids, threading.Event(), run, deadline, yield_every=0.25,
-                            outer_stop=stop, ssd=method == "ssd"):
+        for _ in stream_run(ctx, control, prompt_ids, run, deadline, frame_seconds=0.25, outer_stop=stop,
+                            ssd=method == "ssd"):
             yield method, run, runs
         if stop.is_set() or time.monotonic() > deadline:
             break
@@ -243,8 +291,7 @@ def run_sweep(ctx: PlaygroundContext, cfg: SpecConfig, prompt_ids: Sequence[int]
         progress(i / len(points), f"{label} ({i + 1}/{len(points)})")
         control = ctx.with_inspector(replace(cfg, method=method, **overrides))
         run = RunState(method=method, config=control.as_dict())
-        for _ in stream_run(ctx, control, prompt_ids, threading.Event(), run, deadline, yield_every=1e9,
-                            outer_stop=stop):
+        for _ in stream_run(ctx, control, prompt_ids, run, deadline, frame_seconds=0.5, outer_stop=stop):
             pass
         m = summary(run)
         results.append({

@@ -11,26 +11,30 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.config import SpecConfig
+from playground.engine_loop import RunHandle
+from playground.limits import MAX_SSD_BUDGET
 from playground.state import RunState
 
 SESSION_TTL_SECONDS = 3600.0
 LIVE_FIELDS = ("delta", "num_speculative_tokens", "temperature", "top_p", "top_k",
-               "posterior_threshold", "posterior_alpha")
+               "posterior_threshold", "posterior_alpha",
+               "ssd_fanout_mode", "ssd_budget", "downweight_c", "ssd_backup")  # SSD reads these every round too
 
 
 @dataclass
 class Session:
     control: SpecConfig = field(default_factory=SpecConfig)  # read by the engine at every round
-    stop: threading.Event = field(default_factory=threading.Event)
+    handle: RunHandle | None = None  # the Generate tab's current run on its engine thread
+    handle_ssd: bool = False  # whether `handle` runs on the SSD thread
+    pause_next: bool = False  # Pause pressed with no run going: the next run parks after its first round
+    ar_reference: object | None = None  # runner.ARReference from this session's own AR run
     run: RunState = field(default_factory=RunState)
     rendered_version: int = -1  # RunState.version the browser last got charts for
-    tutor: Iterator | None = None  # the Learn tab's paused engine generator
+    tutor: RunHandle | None = None  # the Learn tab's paused run on the engine thread
     tutor_state: RunState = field(default_factory=RunState)
-    tutor_stop: threading.Event = field(default_factory=threading.Event)
     tutor_stage: int = 0
     tutor_round: int = -1
     tutor_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -62,8 +66,10 @@ class SessionStore:
         with self._lock:
             session = self._sessions.pop(session_hash or "anonymous", None)
         if session is not None:
-            session.stop.set()
-            session.tutor_stop.set()
+            if session.handle is not None:
+                session.handle.stop.set()  # the engine thread finishes it at its next turn
+            if session.tutor is not None:
+                session.tutor.stop.set()
             session.job_stop.set()
 
     def __len__(self) -> int:
@@ -82,12 +88,16 @@ def apply_live_change(control: SpecConfig, name: str, value: float, max_k: int) 
     """
     if name not in LIVE_FIELDS:
         raise ValueError(f"{name} cannot change during a generation")
-    if name in ("num_speculative_tokens", "top_k"):
+    if name in ("ssd_fanout_mode", "ssd_backup"):
+        value = str(value)
+    elif name in ("num_speculative_tokens", "top_k", "ssd_budget"):
         if value is None or float(value) != int(float(value)):
             raise ValueError(f"{name} must be a whole number, got {value!r}")
         value = int(float(value))
         if name == "num_speculative_tokens" and not 1 <= value <= max_k:
             raise ValueError(f"K must be between 1 and {max_k}")
+        if name == "ssd_budget" and not 1 <= value <= MAX_SSD_BUDGET:
+            raise ValueError(f"the SSD budget B must be between 1 and {MAX_SSD_BUDGET}")
     else:
         value = float(value)
     candidate = copy.copy(control)

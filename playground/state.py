@@ -31,6 +31,8 @@ STATUS_MEANING = {
     "bonus": "drawn from the target after all K drafts were kept",
     "generated": "plain autoregressive token",
 }
+# Knobs only the SSD engine reads: a change to them is not marked on a synchronous run's charts.
+SSD_ONLY_FIELDS = frozenset({"ssd_fanout", "ssd_fanout_mode", "ssd_budget", "ssd_power_r", "downweight_c", "ssd_backup"})
 EMPTY_TOKEN_TEXT = "·"  # a byte that is not yet a whole character still gets a clickable cell
 
 
@@ -46,7 +48,9 @@ class ConfigChange:
     @property
     def label(self) -> str:
         names = {"delta": "δ", "num_speculative_tokens": "K", "temperature": "T", "top_p": "top-p",
-                 "top_k": "top-k", "posterior_threshold": "ε", "posterior_alpha": "α", "method": "method"}
+                 "top_k": "top-k", "posterior_threshold": "ε", "posterior_alpha": "α", "method": "method",
+                 "ssd_fanout_mode": "fan-out", "ssd_budget": "B", "ssd_fanout": "F", "downweight_c": "C",
+                 "ssd_backup": "backup"}
         return ", ".join(f"{names.get(k, k)} {old}→{new}" for k, (old, new) in self.changes.items())
 
 
@@ -69,6 +73,8 @@ class RunState:
     ssd_rounds: list[SSDRoundEvent] = field(default_factory=list)  # SSD only: cache and timeline per round
     worker_events: list[WorkerEvent] = field(default_factory=list)  # SSD only: worker started / degraded
     error: str = ""
+    paused: bool = False  # parked at a round boundary (Pause / Step), set by the engine loop's handle
+    paused_seconds: float = 0.0  # time spent parked, left out of the page's tok/s
     started_at: float = field(default_factory=time.time)
     version: int = 0  # bumped by every event, so redraws can be skipped when nothing changed
     _pending: list[TokenEvent] = field(default_factory=list)
@@ -98,12 +104,13 @@ def reduce(state: RunState, event: StartEvent | TokenEvent | RoundEvent | SSDRou
         state.tokens.append(event)
         state._pending.append(event)
     elif isinstance(event, RoundEvent):
-        if event.config_changes:
+        changed = [n for n in event.config_changes if state.method == "ssd" or n not in SSD_ONLY_FIELDS]
+        if changed:
             previous = state.rounds[-1].config if state.rounds else state.config
             first = state._pending[0].index if state._pending else len(state.tokens)
             state.changes.append(ConfigChange(
                 event.round_index, first, event.elapsed_seconds - event.round_seconds,
-                {name: (previous.get(name), event.config.get(name)) for name in event.config_changes},
+                {name: (previous.get(name), event.config.get(name)) for name in changed},
             ))
         for token in state._pending:
             divergence = induced_divergence(token, event.config)

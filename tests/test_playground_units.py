@@ -12,7 +12,9 @@ from engine.decoding import generate
 from playground import charts
 from playground.inspector import inspect_figure, inspect_markdown
 from playground.limits import Limits, build_config, inspector_width
-from playground.runner import PlaygroundContext, compare_table, run_compare, stream_run, tokens_csv
+from playground.runner import (
+    ARReference, PlaygroundContext, compare_table, run_compare, start_run, start_session_run, stream_run, tokens_csv,
+)
 from playground.session import SessionStore, apply_live_change
 from playground.state import RunState, highlighted_tokens, reduce, summary
 from playground.tutor import STAGES, explain_stage, round_tokens
@@ -73,39 +75,48 @@ def test_limits_reject_bad_input_with_a_sentence():
             build_config(limits, **{**base, **bad})
 
 
-def test_stop_really_stops_the_engine(tiny_pair):
+def test_pause_step_and_stop_at_round_boundaries(tiny_pair):
+    """The engine loop parks a paused run after exactly the rounds it was given, and Stop wakes it."""
     ctx = PlaygroundContext("tiny", tiny_pair)
-    stop = threading.Event()
     control = SpecConfig(method="sps", max_new_tokens=200, temperature=0.8)
-    run = RunState(method="sps")
-    for i, _ in enumerate(stream_run(ctx, control, tiny_pair.encode_prompt("hi"), stop, run, time.monotonic() + 60,
-                                     yield_every=0)):
-        if i == 2:
-            stop.set()
-    assert run.finish.reason == "stopped" and len(run.tokens) < 200
-    assert ctx.active_runs == 0
+    handle = start_run(ctx, control, tiny_pair.encode_prompt("hi"), RunState(method="sps"), time.monotonic() + 600,
+                       paused=True, steps=1)
+    assert handle.wait(lambda h: h.parked, 120) and handle.rounds_done == 1
+    ctx.engine.step(handle)
+    assert handle.wait(lambda h: h.parked and h.rounds_done == 2, 120)
+    ctx.engine.stop(handle)
+    assert handle.done.wait(120)
+    run = handle.state()
+    assert run.finish.reason == "stopped" and len(run.rounds) == 2 and ctx.active_runs == 0
+    assert run.paused_seconds > 0 and not run.paused
 
 
-def test_a_long_ar_run_alone_refreshes_the_ar_baseline(tiny_pair):
-    """The "x AR" readouts follow the user's own AR runs: a start-up measurement taken while the
-    machine was busy would otherwise skew every speedup shown."""
-    ctx = PlaygroundContext("tiny", tiny_pair, ar_baseline_tps=1.0)
+def test_engine_calls_run_on_the_engine_thread(tiny_pair):
+    ctx = PlaygroundContext("tiny", tiny_pair)
+    assert ctx.engine.call(threading.current_thread).name == "specplay-engine"
+    with pytest.raises(ZeroDivisionError):
+        ctx.engine.call(lambda: 1 / 0)
 
-    def run(method: str, tokens: int) -> RunState:
-        state = RunState(method=method)
-        control = SpecConfig(method=method, max_new_tokens=tokens, temperature=0.8)
-        for _ in stream_run(ctx, control, tiny_pair.encode_prompt("hi"), threading.Event(), state,
-                            time.monotonic() + 60):
-            pass
-        return state
 
-    run("ar", 8)  # too short to time
-    run("sps", 40)  # not AR
-    assert ctx.ar_baseline_tps == 1.0
-    ar = run("ar", 40)
-    assert ar.finish.metrics["new_tokens"] >= 32
-    assert ctx.ar_baseline_tps == ar.finish.metrics["decode_tokens_per_s"] != 1.0
-    assert "last AR run" in ctx.ar_baseline_note
+def _session_run(ctx, session, method: str, tokens: int) -> RunState:
+    cfg = SpecConfig(method=method, max_new_tokens=tokens, temperature=0.8)
+    for run in start_session_run(ctx, session, cfg, ctx.pair.encode_prompt("hi")):
+        pass
+    return run
+
+
+def test_each_session_keeps_its_own_ar_reference(tiny_pair):
+    """"x AR" divides by the session's own AR run (long enough, alone, unpaused), else the start-up
+    one: another visitor's AR run never changes it."""
+    ctx = PlaygroundContext("tiny", tiny_pair, startup_reference=ARReference(1.0, "start-up"))
+    a, b = ctx.sessions.get("a"), ctx.sessions.get("b")
+    _session_run(ctx, a, "ar", 8)  # too short to time
+    _session_run(ctx, a, "sps", 40)  # not AR
+    assert ctx.reference_for(a).how == "start-up"
+    ar = _session_run(ctx, a, "ar", 40)
+    assert ctx.reference_for(a).tokens_per_s == ar.finish.metrics["decode_tokens_per_s"] != 1.0
+    assert "your AR run" in ctx.reference_for(a).how
+    assert ctx.reference_for(b).how == "start-up"
 
 
 def test_app_weights_flag_reaches_every_model_the_playground_makes(tiny_pair):
@@ -120,14 +131,14 @@ def test_app_weights_flag_reaches_every_model_the_playground_makes(tiny_pair):
 
 
 def test_status_line_says_which_backend_and_weights_ran(tiny_pair):
-    from playground.app import _status_line
+    from playground.views import status_line
 
     run = RunState(method="ar")
     ctx = PlaygroundContext("tiny", tiny_pair, weight_dtype="float32")
     for event in generate(*ctx.make_models("ar"), tiny_pair.tokenizer, tiny_pair.encode_prompt("hi"),
                           SpecConfig(method="ar", max_new_tokens=3)):
         reduce(run, event)
-    assert "fast/float32 on cpu" in _status_line(run, None)
+    assert "fast/float32 on cpu" in status_line(run, None)
 
 
 def test_compare_shares_draws_cactus_delta0_equals_sps(tiny_pair):
@@ -140,12 +151,16 @@ def test_compare_shares_draws_cactus_delta0_equals_sps(tiny_pair):
     assert tokens_csv(runs).count("\n") == 1 + 32
 
 
-def test_sessions_are_separate():
-    store = SessionStore()
+def test_sessions_are_separate_and_dropping_one_stops_its_run(tiny_pair):
+    ctx = PlaygroundContext("tiny", tiny_pair)
+    store = ctx.sessions
     a, b = store.get("a"), store.get("b")
     assert a is not b and a.control is not b.control and store.get("a") is a
+    a.handle = start_run(ctx, SpecConfig(max_new_tokens=50), tiny_pair.encode_prompt("hi"), RunState(),
+                         time.monotonic() + 600, paused=True, steps=1)
     store.drop("a")
-    assert a.stop.is_set() and not b.stop.is_set()
+    assert a.handle.done.wait(120) and a.handle.state().finish.reason == "stopped"
+    assert store.get("a") is not a
 
 
 def test_vllm_config_names():
@@ -179,8 +194,7 @@ def test_ssd_runs_through_the_playground_and_fills_its_charts(tiny_pair):
     ctx = PlaygroundContext("tiny", tiny_pair, ssd_devices="target=cpu:0,draft=cpu:1")
     try:
         run = RunState(method="ssd")
-        for _ in stream_run(ctx, cfg, tiny_pair.encode_prompt("hi"), threading.Event(), run, time.monotonic() + 120,
-                            ssd=True):
+        for _ in stream_run(ctx, cfg, tiny_pair.encode_prompt("hi"), run, time.monotonic() + 120, ssd=True):
             pass
         assert run.finish is not None and not run.error and len(run.tokens) == 20
         assert len(run.ssd_rounds) == len(run.rounds) and run.worker_events[0].kind == "started"

@@ -58,24 +58,33 @@ def test_bad_input_gets_a_clear_message(playground_url, bad, message):
         _client(playground_url).predict(*args, api_name="/generate")
 
 
-def test_live_delta_change_and_stop(playground_url):
+def _wait_for_output(job, guard_seconds: float = 120.0) -> None:
+    """Until the streaming job has yielded once (its run is installed in the session); a hang guard only."""
+    guard = time.monotonic() + guard_seconds
+    while not job.outputs() and not job.done():
+        assert time.monotonic() < guard, "the generate job never streamed"
+        time.sleep(0.02)
+
+
+def test_pause_change_delta_step_and_stop(playground_url):
+    """Pause is armed before Generate, so the run parks after round 0 on any machine; δ changes while
+    parked, one Step runs round 1 under it, Stop ends the run there: no timing anywhere."""
     client = _client(playground_url)
     args = list(ARGS)
     args[9] = 256
+    assert "armed" in client.predict(api_name="/pause")
     job = client.submit(*args, api_name="/generate")
-    time.sleep(1.0)  # let a few rounds run
+    _wait_for_output(job)
+    assert "paused after round 0" in client.predict(api_name="/pause")
     client.predict(0.3, api_name="/set_delta")
-    time.sleep(0.5)
+    assert "paused after round 1" in client.predict(api_name="/step")
     client.predict(api_name="/stop")
-    _, status, details, _ = job.result(timeout=60)
+    _, status, details, _ = job.result(timeout=120)
     assert details["finish_reason"] == "stopped", status
-    assert len(details["token_ids"]) < 256
+    assert details["metrics"]["num_rounds"] == 2 and 2 <= len(details["token_ids"]) <= 2 * (ARGS[2] + 1)
     changes = [c for c in details["config_changes"] if "delta" in c["changes"]]
-    assert changes and changes[0]["changes"]["delta"] == [1.0, 0.3]
-    deadline = time.monotonic() + 5
-    while '"active_runs": 0' not in client.predict(api_name="/health"):
-        assert time.monotonic() < deadline, "the engine kept running after Stop"
-        time.sleep(0.1)
+    assert [c["round"] for c in changes] == [1] and changes[0]["changes"]["delta"] == [1.0, 0.3]
+    assert '"active_runs": 0' in client.predict(api_name="/health")  # the engine finished before the reply
 
 
 def test_compare_endpoint_shares_draws_and_exports(playground_url):
@@ -102,15 +111,12 @@ def test_eight_concurrent_sessions_no_errors_no_cross_talk(playground_url):
                                           api_name="/generate")
         return details
 
-    started = time.monotonic()
     with ThreadPoolExecutor(max_workers=8) as pool:
         results = list(pool.map(one, requests))
-    elapsed = time.monotonic() - started
     for (prompt, method, seed), details in zip(requests, results):
         assert details["error"] is None
         assert details["method"] == method
         assert details["token_ids"] == _direct(prompt, method, seed, 24), (prompt, method, seed)
-    assert elapsed < 90
 
 
 def test_ssd_through_the_api_is_greedy_lossless(playground_url):

@@ -1,8 +1,8 @@
 """The playground in headless Chromium (Debian's, through Playwright; no browser download).
 
-One user journey on the tiny pair: type a prompt, generate, see coloured tokens and non-empty
-charts, change δ mid-generation and see the change marked, open the token inspector, run a
-comparison. Screenshots go to artifacts/ (the README's comes from here).
+One user journey on the tiny pair: type a prompt, generate paused after the first round, change δ,
+step one round and resume, see coloured tokens, non-empty charts and the δ change marked, open the
+token inspector, run a comparison. Screenshots go to artifacts/ (the README's comes from here).
 """
 
 from __future__ import annotations
@@ -53,16 +53,19 @@ def test_generate_live_tune_inspect_and_compare(page):
     max_new = page.get_by_label("number input for max new tokens")
     max_new.fill("256")
     max_new.press("Enter")
+    page.click("#pause-btn")  # armed: the run parks after its first round, so δ changes mid-run on any machine
+    expect(page.locator("#live-msg")).to_contain_text("armed")
     page.click("#generate-btn")
 
-    # Tokens stream in, coloured by status, while the engine still runs.
-    expect(page.locator("#status")).to_contain_text("generating", timeout=30_000)
-    page.wait_for_function("document.querySelectorAll('#tokens .token').length > 5")
+    expect(page.locator("#status")).to_contain_text("paused after round 0", timeout=60_000)
     delta = page.get_by_label("number input for δ (Cactus KL budget per token, nats)")
     delta.fill("0.3")
     delta.press("Enter")
     expect(page.locator("#live-msg")).to_contain_text("delta = 0.3")
-    expect(page.locator("#status")).to_contain_text("finished", timeout=60_000)
+    page.click("#step-btn")
+    expect(page.locator("#live-msg")).to_contain_text("paused after round 1", timeout=60_000)
+    page.click("#resume-btn")
+    expect(page.locator("#status")).to_contain_text("finished", timeout=120_000)
 
     colours = page.evaluate("""() => [...document.querySelectorAll('#tokens .token')]
         .map(e => getComputedStyle(e).backgroundColor)""")

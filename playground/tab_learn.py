@@ -1,0 +1,127 @@
+"""The Learn tab's wiring: one round at a time, stage by stage.
+
+The round runs on the engine thread as a paused run: Start parks it after its first round and
+Next round steps it once (`EngineLoop.step`), so the tutor never calls the engine from a UI thread.
+"""
+
+from __future__ import annotations
+
+import time
+
+import gradio as gr
+
+from playground.limits import METHOD_LABELS, UI_METHODS
+from playground.page import ENGINE_QUEUE, HANG_GUARD_SECONDS, Page
+from playground.runner import start_run
+from playground.session import Session
+from playground.state import RunState, highlighted_tokens
+from playground.tutor import PRESETS, STAGES, explain_stage, round_figure, round_tokens
+from playground.views import token_view
+
+TUTOR_SECONDS = 1800.0  # a paused lesson may sit between clicks; the engine loop ends it after this
+SYNC_METHODS = tuple(m for m in UI_METHODS if m != "ssd")  # the Learn tab steps a synchronous round
+
+
+def build(page: Page, demo: gr.Blocks) -> None:
+    ctx, limits = page.ctx, page.limits
+    gr.Markdown("Step through speculative decoding one round at a time: "
+                + " → ".join(STAGES) + ". Pick a preset, press **Start**, then **Next step**.")
+    with gr.Row():
+        preset = gr.Dropdown(list(PRESETS), value=next(iter(PRESETS)), label="Preset", scale=2)
+        l_method = gr.Radio([(METHOD_LABELS[m], m) for m in SYNC_METHODS], value="tas", label="Method",
+                            scale=2)
+    with gr.Row():
+        l_prompt = gr.Textbox(label="Prompt", lines=2, scale=3)
+        l_k = gr.Slider(1, 8, value=4, step=1, label="K")
+        l_delta = gr.Slider(0, 5, value=0.5, step=0.05, label="δ")
+        l_temp = gr.Slider(0, limits.max_temperature, value=1.0, step=0.05, label="temperature")
+    l_look_for = gr.Markdown()
+    with gr.Row():
+        start_btn = gr.Button("Start", variant="primary")
+        step_btn = gr.Button("Next step")
+        round_btn = gr.Button("Next round")
+    with gr.Row():
+        with gr.Column(scale=3):
+            l_tokens = token_view("Text so far")
+            l_explain = gr.Markdown("Press Start.")
+        with gr.Column(scale=2):
+            l_plot = gr.Plot(show_label=False)
+
+    def apply_preset(name):
+        p = PRESETS[name]
+        return p.prompt, p.method, p.k, p.delta, p.temperature, f"**What to look for:** {p.look_for}"
+
+    preset.change(apply_preset, [preset], [l_prompt, l_method, l_k, l_delta, l_temp, l_look_for],
+                  api_visibility="private", concurrency_limit=None)
+    demo.load(apply_preset, [preset], [l_prompt, l_method, l_k, l_delta, l_temp, l_look_for],
+              api_visibility="private")
+
+    def tutor_view(session: Session):
+        run = session.tutor_state
+        rnd = run.round_of(session.tutor_round)
+        if rnd is None:
+            done = run.finish.reason if run.finish else "no round yet"
+            return highlighted_tokens(run), f"Generation finished ({done}). Press Start again.", gr.skip()
+        these = round_tokens(run, rnd.round_index)
+        shown = [t for t in run.tokens if t.round_index < rnd.round_index or
+                 (t.round_index == rnd.round_index and session.tutor_stage >= 3)]
+        view = [(t.text or "·", t.status) for t in shown]
+        return view, explain_stage(rnd, these, session.tutor_stage), round_figure(rnd, these)
+
+    def tutor_next_round(session: Session):
+        """Show the next round: one already run, else step the parked run once on the engine thread."""
+        with session.tutor_lock:
+            handle = session.tutor
+            if handle is None:
+                raise gr.Error("Press Start first.", print_exception=False)
+            run = handle.state()
+            if session.tutor_round + 1 >= len(run.rounds) and not handle.done.is_set():
+                before = handle.rounds_done
+                ctx.engine.step(handle)
+                handle.wait(lambda h: h.done.is_set() or (h.parked and h.rounds_done > before), HANG_GUARD_SECONDS)
+                run = handle.state()
+            session.tutor_state = run
+            if session.tutor_round + 1 < len(run.rounds):
+                session.tutor_round, session.tutor_stage = session.tutor_round + 1, 0
+            else:
+                session.tutor, session.tutor_round = None, -1
+            return tutor_view(session)
+
+    def tutor_start(prompt_text, method_v, k_v, delta_v, temp_v, preset_v, request: gr.Request):
+        p = PRESETS[preset_v]
+        cfg, prompt_ids = page.validated(prompt_text, method=method_v, k=k_v, delta=delta_v,
+                                         posterior_threshold=p.posterior_threshold,
+                                         posterior_alpha=p.posterior_alpha, temperature=temp_v, top_p=p.top_p,
+                                         top_k=p.top_k, max_new_tokens=min(64, limits.max_new_tokens), seed=0)
+        session = page.session(request)
+        with session.tutor_lock:
+            if session.tutor is not None:
+                ctx.engine.stop(session.tutor)
+            control = ctx.with_inspector(cfg)
+            # Paused from the start with no step: the first "next round" below runs the prefill and round 0.
+            session.tutor = start_run(ctx, control, prompt_ids, RunState(method=cfg.method, config=control.as_dict()),
+                                      time.monotonic() + TUTOR_SECONDS, paused=True, steps=0)
+            session.tutor_round = -1
+        return tutor_next_round(session)
+
+    def tutor_step(request: gr.Request):
+        session = page.session(request)
+        if session.tutor_round < 0:
+            raise gr.Error("Press Start first.", print_exception=False)
+        if session.tutor_stage + 1 < len(STAGES):
+            session.tutor_stage += 1
+            return tutor_view(session)
+        return tutor_next_round(session)
+
+    l_outputs = [l_tokens, l_explain, l_plot]
+    start_btn.click(tutor_start, [l_prompt, l_method, l_k, l_delta, l_temp, preset], l_outputs,
+                    concurrency_limit=limits.concurrency, concurrency_id=ENGINE_QUEUE, api_name="learn_start")
+    step_btn.click(tutor_step, None, l_outputs, concurrency_limit=limits.concurrency,
+                   concurrency_id=ENGINE_QUEUE, api_name="learn_step")
+
+    def tutor_round(request: gr.Request):
+        return tutor_next_round(page.session(request))
+
+    round_btn.click(tutor_round, None, l_outputs,
+                    concurrency_limit=limits.concurrency, concurrency_id=ENGINE_QUEUE,
+                    api_visibility="private")

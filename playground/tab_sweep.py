@@ -1,0 +1,82 @@
+"""The Sweep tab's wiring: acceptance against the exact induced divergence over δ and ε."""
+
+from __future__ import annotations
+
+import threading
+
+import gradio as gr
+import pandas as pd
+
+from playground import charts
+from playground.limits import build_config
+from playground.page import ENGINE_QUEUE, Page
+from playground.runner import run_sweep, sweep_points
+
+
+def build(page: Page) -> None:
+    ctx, limits = page.ctx, page.limits
+    start_k = min(ctx.pair.recommended_k(ctx.drafter_kind), limits.max_k)
+    gr.Markdown(
+        "Acceptance against divergence: Cactus over a δ sweep, TAS over an ε sweep, SpS as the "
+        "zero-divergence reference. Divergence is the exact KL(induced ‖ target) of the first token "
+        "each round emits (`engine.acceptance.induced_distribution`), averaged over tested positions. "
+        "The Cactus paper's argument is that its points lie on the Pareto frontier."
+    )
+    with gr.Row():
+        s_prompt = gr.Textbox(label="Prompt", value="Write a list of twenty random, unrelated words.",
+                              lines=2, scale=3)
+        s_deltas = gr.Textbox(label="δ values (Cactus)", value="0.1, 0.5, 1, 2")
+        s_eps = gr.Textbox(label="ε values (TAS)", value="0.3, 0.09, 0.03")
+    with gr.Row():
+        s_temp = gr.Slider(0.05, limits.max_temperature, value=1.0, step=0.05, label="temperature")
+        s_k = gr.Slider(1, limits.max_k, value=start_k, step=1, label="K")
+        s_max_new = gr.Slider(8, limits.max_sweep_new_tokens, value=min(48, limits.max_sweep_new_tokens),
+                              step=1, label="new tokens per point")
+        s_seed = gr.Number(value=0, precision=0, label="seed", minimum=0)
+    with gr.Row():
+        sweep_btn = gr.Button("Run sweep", variant="primary", elem_id="sweep-btn")
+        sweep_stop = gr.Button("Stop", variant="stop")
+    s_plot = gr.Plot(elem_id="sweep-plot", show_label=False)
+    s_table = gr.Dataframe(label="Sweep points", interactive=False)
+
+    def parse_values(text: str, label: str, lo: float, hi: float) -> list[float]:
+        try:
+            values = [float(v) for v in str(text).replace(";", ",").split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"{label}: write numbers separated by commas, e.g. 0.1, 0.5, 1") from None
+        bad = [v for v in values if not lo <= v <= hi]
+        if bad:
+            raise ValueError(f"{label} must lie in [{lo}, {hi}]; got {bad}")
+        return values
+
+    def sweep(prompt_text, deltas_v, eps_v, temp_v, k_v, max_new_v, seed_v, request: gr.Request,
+              progress=gr.Progress()):
+        try:
+            points = sweep_points(parse_values(deltas_v, "δ values", 0, limits.max_delta),
+                                  parse_values(eps_v, "ε values", 1e-4, 1.0))
+            if len(points) > limits.max_sweep_points + 1:
+                raise ValueError(f"at most {limits.max_sweep_points} sweep points (δ and ε together)")
+            cfg = build_config(limits, method="sps", k=k_v, delta=1.0, posterior_threshold=0.09,
+                               posterior_alpha=0.3, temperature=temp_v, top_p=1.0, top_k=0,
+                               max_new_tokens=min(int(max_new_v), limits.max_sweep_new_tokens), seed=seed_v)
+            prompt_ids = page.encode(prompt_text)
+        except ValueError as err:
+            raise gr.Error(str(err), print_exception=False) from None
+        session = page.session(request)
+        session.job_stop.set()
+        session.job_stop = stop_event = threading.Event()
+        results = run_sweep(ctx, cfg, prompt_ids, points, stop_event,
+                            progress=lambda f, d: progress(f, desc=d))
+        table = pd.DataFrame(results).round(4) if results else pd.DataFrame()
+        return charts.pareto_figure(results), table
+
+    sweep_event = sweep_btn.click(
+        sweep, [s_prompt, s_deltas, s_eps, s_temp, s_k, s_max_new, s_seed], [s_plot, s_table],
+        api_name="sweep", concurrency_limit=limits.concurrency, concurrency_id=ENGINE_QUEUE,
+        time_limit=int(limits.max_seconds) + 30,
+    )
+    def stop_job(request: gr.Request) -> None:
+        page.session(request).job_stop.set()
+
+    sweep_stop.click(stop_job, None, None, cancels=[sweep_event],
+                     concurrency_limit=None, api_visibility="private")

@@ -1,0 +1,61 @@
+"""Text views of a run shared by the tabs: the status line, the API details, the token view, the legend."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from playground.runner import ARReference
+from playground.state import STATUS_COLOURS, STATUS_MEANING, RunState, summary
+
+
+def legend() -> str:
+    items = " · ".join(f"<span style='color:{STATUS_COLOURS[s]}'>■</span> <b>{s}</b>: {STATUS_MEANING[s]}"
+                       for s in ("accepted", "recovered", "bonus", "generated"))
+    return f"<div class='legend-note'>{items} · SSD: the cache chart colours each round green (cache hit) or red " \
+           f"(miss: the backup drafted)</div>"
+
+
+def status_line(run: RunState, reference: ARReference | None) -> str:
+    """One line that agrees with the charts: state, tokens, tok/s and × AR against the session's reference."""
+    if run.start is None and not run.error:
+        return "Starting…" if run.config else "Ready."
+    m = summary(run)
+    state = ("error: " + run.error if run.error and run.finish is None else
+             f"finished ({run.finish.reason})" if run.finish else
+             f"paused after round {len(run.rounds) - 1} (Step or Resume)" if run.paused else "generating…")
+    if run.error and run.finish is not None:
+        state = f"finished ({run.finish.reason}): {run.error}"
+    tps = m.get("decode_tokens_per_s") or m.get("tokens_per_s")
+    parts = [f"**{state}**", f"{m.get('new_tokens', 0)} tokens"]
+    if tps:
+        speed = f"{tps:.1f} tok/s"
+        if reference and run.method != "ar":
+            speed += f" (**{tps / reference.tokens_per_s:.2f}× AR**; reference {reference.how})"
+        parts.append(speed)
+    if m.get("mean_acceptance_length"):
+        parts.append(f"mean acceptance length {m['mean_acceptance_length']:.2f}")
+    if m.get("draft_acceptance_rate") is not None:
+        parts.append(f"draft acceptance {m['draft_acceptance_rate']:.0%}")
+    parts.append(f"KL spent {m.get('kl_total', 0.0):.3f} nats")
+    if m.get("cache_hit_rate") is not None:
+        parts.append(f"SSD cache hit rate {m['cache_hit_rate']:.0%}")
+    if any(w.kind == "degraded" for w in run.worker_events):
+        parts.append("⚠️ draft worker lost: finished synchronously")
+    if run.start:
+        parts.append(f"{run.start.backend} on {run.start.devices}")  # e.g. fast/bfloat16 on cpu (2 threads)
+    return " · ".join(parts)
+
+
+def details(run: RunState, reference: ARReference | None) -> dict:
+    """The API-facing result: token ids, finish reason, metrics, the × AR reference (what tests compare)."""
+    return {"method": run.method, "token_ids": run.token_ids,
+            "finish_reason": run.finish.reason if run.finish else None, "error": run.error or None,
+            "config_changes": [{"round": c.round_index, "token": c.token_index, "changes": c.changes}
+                               for c in run.changes],
+            "ar_reference": {"tokens_per_s": reference.tokens_per_s, "how": reference.how} if reference else None,
+            "metrics": summary(run)}
+
+
+def token_view(label: str | None = None, **kwargs) -> gr.HighlightedText:
+    return gr.HighlightedText(label=label, combine_adjacent=False, show_legend=True, show_inline_category=False,
+                              color_map=dict(STATUS_COLOURS), elem_classes=["token-view"], **kwargs)
