@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from functools import lru_cache
 
+import numpy as np
 import pandas as pd
 import torch
 from transformers import GenerationConfig
@@ -192,27 +193,43 @@ def _llama(threads: int):
     try:
         from llama_cpp import Llama
     except ImportError as err:
-        raise SystemExit("the llama.cpp peer row needs llama-cpp-python (pip install llama-cpp-python; "
-                         "it compiles llama.cpp from source, about 11 minutes on 2 cores)") from err
-    return Llama(model_path=str(gguf_path()), n_ctx=2048, n_threads=threads, verbose=False)
+        raise SystemExit("the llama.cpp peer row needs llama-cpp-python: `bash deploy/install_llama_cpp.sh "
+                         "<python>` builds it once for this CPU (about 8 minutes on 2 cores) and caches the wheel") from err
+    return Llama(model_path=str(gguf_path()), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
 
 
 def run_llama_cpp(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: SpecConfig, drafter: str,
                   ignore_eos: bool, backend: str = "", weight_dtype: str = "") -> dict:
-    """llama.cpp on the very GGUF our default target is converted from: the bar for CPU decoding."""
+    """llama.cpp on the very GGUF our default target is converted from: the bar for CPU decoding.
+    Same prompts, seeds, sampling (no min-p) and lengths as the engine rows, so its decode_tokens_per_s
+    (the time after the first token, which comes right after the prefill) is at the same contexts."""
     if pair.name != "default":
         raise SystemExit("the llama.cpp peer row runs the embedded GGUF: use --pair default")
     llm = _llama(torch.get_num_threads())
-    no_eos = {t: float("-inf") for t in pair.eos_token_ids} if ignore_eos else None
-    new = elapsed = 0.0
+    eos = sorted(pair.eos_token_ids)
+
+    def ban_eos(ids, scores):
+        scores[eos] = -np.inf
+        return scores
+
+    new = elapsed = prefill = 0.0
     for i, ids in enumerate(prompts):
         llm.reset()  # no prompt-cache reuse across prompts: every row pays its own prefill
+        llm.set_seed(cfg.seed + i)
         start = time.perf_counter()
-        out = llm.create_completion(ids, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                    top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed + i, logit_bias=no_eos)
+        tokens = llm.generate(ids, top_k=cfg.top_k, top_p=cfg.top_p, min_p=0.0, temp=cfg.temperature,
+                              logits_processor=[ban_eos] if ignore_eos else None)
+        for n, token in enumerate(tokens):  # the first token comes right after the prefill
+            if n == 0:
+                prefill += time.perf_counter() - start
+            if token in pair.eos_token_ids:
+                break
+            new += 1
+            if n + 1 == cfg.max_new_tokens:
+                break
         elapsed += time.perf_counter() - start
-        new += out["usage"]["completion_tokens"]
-    return {"new_tokens": int(new), "tokens_per_s": new / elapsed, "mean_acceptance_length": None,
+    return {"new_tokens": int(new), "tokens_per_s": new / elapsed, "decode_tokens_per_s": new / (elapsed - prefill),
+            "mean_acceptance_length": None,
             "draft_acceptance_rate": None, "target_forwards_per_token": None, "mean_kl_per_token": None,
             "devices": f"cpu ({torch.get_num_threads()} threads)", "backend": "llama.cpp (GGUF Q4_1)"}
 

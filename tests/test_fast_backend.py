@@ -109,3 +109,58 @@ def test_default_target_matches_hf():
         a, b = hf.forward(prompt, last_n=4), fast.forward(prompt, last_n=4)
         torch.testing.assert_close(b, a, atol=5e-4, rtol=0)  # logits are O(30) here
         assert _greedy(fast, prompt, 32) == _greedy(hf, prompt, 32)
+
+
+@pytest.mark.slow
+def test_q4_1_blocks_are_the_embedded_gguf_blocks():
+    """The q4_1 format recovers its blocks from the float32 weights; for the embedded target they
+    are the GGUF's own, byte for byte (Q4_1 for every linear, Q8_0 for the tied embedding)."""
+    from engine.models.embedded import gguf_path
+    from engine.models.gguf_weights import hf_tensors
+    from engine.models.q4_1_blocks import dequantize_q4_1, dequantize_q8_0, quantize_q4_1, quantize_q8_0
+
+    seen = set()
+    for tensor in hf_tensors(gguf_path()):
+        if tensor.quant_type.name not in ("Q4_1", "Q8_0"):
+            continue
+        raw = torch.from_numpy(tensor.data.copy())
+        rows = raw.shape[0]
+        if tensor.quant_type.name == "Q4_1":
+            blocks = raw.view(rows, -1, 20)
+            d, m = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0], blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+            nibbles = blocks[..., 4:]
+            q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(rows, -1)  # GGUF: low nibbles first
+            got = quantize_q4_1(dequantize_q4_1(d, m, q))
+            assert all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float16 else a,
+                                   b.view(torch.uint8) if b.dtype == torch.float16 else b)
+                       for a, b in zip(got, (d, m, q))), tensor.name
+        else:
+            blocks = raw.view(rows, -1, 34)
+            d, q = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0], blocks[..., 2:].contiguous().view(torch.int8)
+            got_d, got_q = quantize_q8_0(dequantize_q8_0(d, q.reshape(rows, -1)))
+            assert torch.equal(got_d.view(torch.uint8), d.view(torch.uint8)) and torch.equal(got_q, q.reshape(rows, -1))
+        seen.add(tensor.quant_type.name)
+    assert seen == {"Q4_1", "Q8_0"}
+
+
+@pytest.mark.slow
+def test_default_target_q4_1_is_float32_bit_for_bit_on_held_out_prompts():
+    """Every GEMM of the default target runs on GGUF blocks, and the logits are float32's exactly:
+    prefill, decoding and a 5-token verification; so greedy agreement with float32 is 100 %."""
+    import json
+    from pathlib import Path
+
+    pair = load_pair("default")
+    q4 = FastLlamaCausalLM(pair.target_model, "q4_1", pair.vocab_size, weight_dtype="q4_1")
+    assert {getattr(layer, name).format for layer in q4.w.layers for name in ("qkv", "o", "gate_up", "down")} == {"q4_1"}
+    assert q4.w.lm_head.format == "q8_0"
+    prompts = json.loads((Path(__file__).parents[1] / "assets" / "prompts.json").read_text())["prompts"]
+    for text in [p["text"] for p in prompts[:4]]:
+        prompt = pair.encode_prompt(text)
+        f32 = FastLlamaCausalLM(pair.target_model, "float32", pair.vocab_size, weight_dtype="float32")
+        q4.reset()
+        assert torch.equal(q4.forward(prompt, last_n=len(prompt)), f32.forward(prompt, last_n=len(prompt)))
+        assert torch.equal(q4.forward([100, 101, 102, 103, 104], last_n=5), f32.forward([100, 101, 102, 103, 104], last_n=5))
+        q4.reset()
+        f32.reset()
+        assert _greedy(q4, prompt, 24) == _greedy(f32, prompt, 24)

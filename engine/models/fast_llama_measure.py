@@ -1,10 +1,12 @@
 """Measure the fast Llama backend against the transformers backend on the default target.
 
-    PYTHONPATH=. python -m engine.models.fast_llama_measure [--reps 15] [--threads 2]
+    PYTHONPATH=. python -m engine.models.fast_llama_measure [--reps 15] [--threads 2] [--llama-cpp]
 
 Speed: after a chat prompt is prefilled, each round times one 1-token forward (AR decode) and
 one 5-token forward (verifying 4 drafts + bonus), rolling back after each; backends are
 interleaved round by round so background load hits them alike; medians are reported.
+`--llama-cpp` adds llama.cpp (llama-cpp-python, `deploy/install_llama_cpp.sh`) on the GGUF the
+default target comes from, timed the same way at the same context: `eval` of 1 and of 5 tokens.
 Prefill: a prompt of 30 / 60 / 120 tokens into an empty cache, with the prefill GEMM
 (`cpu_kernels.linear_wide`, the default from `WIDE_MIN_ROWS` rows) and with the batch-invariant
 decode kernels, interleaved; for the formats it serves (`cpu_kernels.WIDE_FORMATS`).
@@ -32,9 +34,30 @@ PROMPTS = (
 )
 
 
+class _LlamaCpp:
+    """llama.cpp behind the two calls measure_speed makes: a forward of n tokens, and a rollback
+    (llama-cpp-python's `eval` drops the KV cache past `n_tokens` before it decodes)."""
+
+    def __init__(self, threads: int) -> None:
+        from llama_cpp import Llama
+
+        from engine.models.embedded import gguf_path
+
+        self.llm = Llama(model_path=str(gguf_path()), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                         verbose=False)
+
+    def forward(self, tokens, last_n: int = 1) -> None:
+        self.llm.eval(list(tokens))
+
+    def rollback(self, length: int) -> None:
+        self.llm.n_tokens = length
+
+
 def _make(pair, backend: str):
     if backend == "transformers":
         return HFCausalLM(pair.target_model, "hf", pair.vocab_size)
+    if backend == "llama.cpp":
+        return _LlamaCpp(torch.get_num_threads())
     return FastLlamaCausalLM(pair.target_model, backend, pair.vocab_size, weight_dtype=backend)
 
 
@@ -115,18 +138,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--formats", default=",".join(WEIGHT_DTYPES))
     parser.add_argument("--no-quality", action="store_true")
+    parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's row (needs llama-cpp-python)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     formats = args.formats.split(",")
     pair = load_pair("default")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.reps} rounds")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, native kernels: "
+          f"{cpu_kernels.selected_isa() if cpu_kernels.available() else 'none'}, median of {args.reps} rounds")
 
     prompt = pair.encode_prompt(PROMPTS[1])
     diff = (HFCausalLM(pair.target_model, "hf", pair.vocab_size).forward(prompt, last_n=len(prompt))
             - _make(pair, "float32").forward(prompt, last_n=len(prompt))).abs().max().item()
     print(f"max |logit diff| transformers vs fast float32 over a {len(prompt)}-token prompt: {diff:.2e}")
 
-    speed = measure_speed(pair, ["transformers", *formats], args.reps)
+    speed = measure_speed(pair, ["transformers", *formats] + ["llama.cpp"] * args.llama_cpp, args.reps)
     base = speed["transformers"][0]
     print("| backend | 1-token decode (ms) | 5-token verify (ms) | verify / decode | decode speed-up |")
     print("|---|---|---|---|---|")
