@@ -1,59 +1,80 @@
-"""The vLLM `speculative_config` equivalent to the playground's settings (ECOSYSTEM.md §5).
+"""The vLLM call that reproduces the playground's settings, runnable as shown (ECOSYSTEM.md §5).
 
-Shown so the path from the playground to a serving engine is obvious. Where vLLM has no such rule
-(Cactus anywhere, TAS on V1) the JSON says so instead of pretending.
+vLLM V1 has no TAS and no Cactus of its own; the project's plugin (integrations/vllm, installed
+by `bash integrations/vllm/install.sh` into its own venv) adds both as vLLM V1 rules and reads the
+rule from `SPECPLAY_VLLM_*` environment variables. The default pair's feature draft runs as
+vLLM's EAGLE method from its export (`python -m specplay_vllm.export_draft --head reduced`, done
+by the install script), against the converted default target, so both paths in the snippet are
+real folders on this machine. integrations/vllm/tests runs the snippet this module prints.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 
 from engine.config import SpecConfig
+from engine.peers.vllm_peer import PLUGIN_DIR, exported_draft_dir, plugin_env
+
+EXAMPLE_PROMPT = "Tell me a story"
 
 
 def speculative_config(cfg: SpecConfig, draft_model: str, drafter: str = "model") -> dict | None:
-    """`LLM(..., speculative_config=...)` for these settings, or None for AR (no speculation)."""
+    """`LLM(..., speculative_config=...)` for these settings, or None for AR (no speculation).
+
+    The rule itself is not a vLLM field: the plugin takes it from the environment (`plugin_env`).
+    """
     if cfg.method == "ar":
         return None
     k = cfg.num_speculative_tokens
     if drafter == "ngram":
-        spec: dict = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    elif drafter == "eagle":
-        # A feature-level draft is vLLM's EAGLE method (its checkpoint layout differs from ours).
-        spec = {"method": "eagle", "model": draft_model, "num_speculative_tokens": k}
-    else:
-        spec = {"method": "draft_model", "model": draft_model, "num_speculative_tokens": k}
-        if cfg.temperature > 0:
-            spec["draft_sample_method"] = "probabilistic"  # the rules need the full draft distribution
-    if cfg.method == "sps":
-        spec["rejection_sample_method"] = "standard"
-    elif cfg.method == "tas":
-        # V1 has no typical acceptance: these are the V0 engine's names (vLLM <= 0.9).
-        spec.update({"spec_decoding_acceptance_method": "typical_acceptance_sampler",
-                     "typical_acceptance_sampler_posterior_threshold": cfg.posterior_threshold,
-                     "typical_acceptance_sampler_posterior_alpha": cfg.posterior_alpha})
-    elif cfg.method == "cactus":
-        # Not upstream: the proposed Model Runner V2 fields (or Cactus's V0 monkey-patch).
-        spec.update({"rejection_sample_method": "cactus", "cactus_delta": cfg.delta})
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    spec = {"method": "eagle" if drafter == "eagle" else "draft_model", "model": draft_model,
+            "num_speculative_tokens": k}
+    if cfg.temperature > 0:
+        spec["draft_sample_method"] = "probabilistic"  # the rules need the draft's distribution, not its argmax
     return spec
 
 
 def speculative_config_note(cfg: SpecConfig) -> str:
     notes = {
         "ar": "AR: no `speculative_config` (plain decoding).",
-        "sps": "SpS: stock vLLM V1 rejection sampler.",
-        "tas": "TAS: vLLM V0 only (`typical_acceptance_sampler`, removed in V1); on V1 it needs a custom rule.",
-        "cactus": "Cactus: not in vLLM. Use the Cactus repo's V0 monkey-patch (vllm==0.7.3), or a V1/MRV2 "
-                  "patch that swaps target probs for h before `rejection_sample`; the fields shown are that "
-                  "proposal's names.",
+        "sps": "SpS: vLLM's own V1 rejection sampler (the plugin leaves it untouched).",
+        "tas": "TAS: a vLLM V1 rule from the specplay plugin (integrations/vllm); stock V1 has none.",
+        "cactus": "Cactus: a vLLM V1 rule from the specplay plugin (integrations/vllm); stock vLLM has none.",
     }
     return notes.get(cfg.method, "")
 
 
+def _paths(target_model: str, draft_model: str, drafter: str) -> tuple[str, str]:
+    """The default pair's feature draft only exists for vLLM as our export, next to the converted target."""
+    if drafter != "eagle":
+        return target_model, draft_model
+    from engine.models.embedded import embedded_target_dir
+
+    return str(embedded_target_dir()), str(exported_draft_dir("reduced"))
+
+
 def speculative_config_text(cfg: SpecConfig, target_model: str, draft_model: str, drafter: str = "model") -> str:
-    """Python snippet: the LLM(...) call with the JSON, plus sampling params."""
-    spec = speculative_config(cfg, draft_model, drafter)
+    """A Python script (plus the `vllm serve` equivalent) that runs these settings in the plugin's venv."""
+    target, draft = _paths(target_model, draft_model, drafter)
+    spec = speculative_config(cfg, draft, drafter)
+    env = {**(plugin_env(cfg) if spec else {}), "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k or -1,
-                "max_tokens": cfg.max_new_tokens, "seed": cfg.seed}
-    body = f"LLM(model={target_model!r}" + (f",\n    speculative_config={json.dumps(spec, indent=4)}" if spec else "")
-    return f"# {speculative_config_note(cfg)}\n{body})\nSamplingParams(**{json.dumps(sampling)})"
+                "max_tokens": cfg.max_new_tokens}
+    spec_arg = f",\n              speculative_config={json.dumps(spec)}" if spec else ""
+    serve_env = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    serve_spec = f" --speculative-config {shlex.quote(json.dumps(spec))}" if spec else ""
+    return (
+        f"# {speculative_config_note(cfg)}\n"
+        f"# Run with {PLUGIN_DIR / '.venv' / 'bin' / 'python'} (bash integrations/vllm/install.sh makes it).\n"
+        f"# Server: {serve_env} vllm serve {shlex.quote(target)} --enforce-eager{serve_spec}\n"
+        "import os\n"
+        f"os.environ.update({json.dumps(env)})\n"
+        "from vllm import LLM, SamplingParams\n\n"
+        "if __name__ == \"__main__\":  # vLLM spawns its engine processes\n"
+        f"    llm = LLM(model={target!r}, enforce_eager=True{spec_arg})\n"
+        f"    params = SamplingParams(**{json.dumps(sampling)})\n"
+        f"    out = llm.chat([{{\"role\": \"user\", \"content\": {EXAMPLE_PROMPT!r}}}], params)\n"
+        "    print(out[0].outputs[0].text)\n"
+    )

@@ -9,6 +9,7 @@ import pytest
 
 from engine.config import SpecConfig
 from engine.decoding import generate
+from engine.peers.vllm_peer import plugin_env
 from playground import charts
 from playground.inspector import inspect_figure, inspect_markdown
 from playground.limits import Limits, build_config, inspector_width
@@ -167,8 +168,10 @@ def test_vllm_config_names():
     assert speculative_config(SpecConfig(method="ar"), "d") is None
     sps = speculative_config(SpecConfig(method="sps", temperature=0.7), "d")
     assert sps["num_speculative_tokens"] == 4 and sps["draft_sample_method"] == "probabilistic"
-    assert speculative_config(SpecConfig(method="cactus", delta=0.5), "d")["cactus_delta"] == 0.5
-    assert "typical_acceptance_sampler_posterior_threshold" in speculative_config(SpecConfig(method="tas"), "d")
+    # vLLM V1 has no TAS / Cactus fields: the specplay plugin (integrations/vllm) takes the rule from the environment.
+    assert "cactus_delta" not in speculative_config(SpecConfig(method="cactus", delta=0.5), "d")
+    assert plugin_env(SpecConfig(method="cactus", delta=0.5))["SPECPLAY_VLLM_DELTA"] == "0.5"
+    assert plugin_env(SpecConfig(method="tas"))["SPECPLAY_VLLM_RULE"] == "tas"
     assert speculative_config(SpecConfig(method="sps"), "d", "eagle")["method"] == "eagle"
 
 

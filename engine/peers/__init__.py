@@ -1,0 +1,1 @@
+"""Benchmark peers that run outside this process (engine/bench.py's `--peers`)."""
