@@ -8,22 +8,24 @@ Why it is faster than `HFCausalLM` on a small, memory-bandwidth-bound CPU:
   it in place and `rollback` only moves the length pointer, so rejected drafts cost nothing.
 * Q/K/V and gate/up projections are fused into one matmul each (fewer, larger kernels).
 * The LM head -- the biggest single matrix -- is applied only to the `last_n` positions asked for.
-* Weights can be stored as float32, bfloat16, float16 or int8: decoding reads every weight once
-  per step, so fewer bytes per weight is most of the speed-up. The residual stream, norms, RoPE,
-  attention and the KV cache stay float32 in every mode.
-* Every format runs on our own AVX2 kernels (cpu_kernels.c, compiled on first use), and the whole
-  layer stack runs in one native call, so nothing runs in Python between the ops of a step.
-  bfloat16 is the default: the fastest float format here (widening bf16 is a shift; F16C costs
-  this CPU FMA issue slots), at a KL of ~5e-5 against float32; float16 gives KL ~2e-6 at ~15%
-  more time per token; int8 (llama.cpp's Q8_0 layout) is as fast at one row but slowest to
-  verify, at a KL of ~1e-3; float32 is the reference, at twice bf16's time per token.
+* Weights can be stored as float32, bfloat16, float16, int8 or q4_1: decoding reads every weight
+  once per step, so fewer bytes per weight is most of the speed-up. The residual stream, norms,
+  RoPE, attention and the KV cache stay float32 in every mode.
+* Every format runs on our own kernels (cpu_kernels.c, compiled on first use for AVX-512 or AVX2,
+  whichever the CPU has), and the whole layer stack runs in one native call, so nothing runs in
+  Python between the ops of a step. q4_1 is the default: GGUF's Q4_1 / Q8_0 blocks where they
+  hold a model's weights exactly (the embedded target's do), float32 panels elsewhere, so its
+  logits are float32's bit for bit from a sixth of the bytes (q4_1_blocks). bfloat16 is the
+  fastest float format (widening bf16 is a shift), at a KL of ~5e-5 against float32; float16 gives
+  KL ~2e-6; int8 (llama.cpp's Q8_0 layout with int16 activations) is slowest to verify, at a KL of
+  ~1e-3; float32 streams the most bytes.
 * Without the kernels (no C compiler or no AVX2) the layer loop runs in Python over prepacked
   GEMMs (oneDNN for fp32, fbgemm's fp16 for both 16-bit formats), with the glue between them in
   torch ops.
 * Verifying K+1 tokens reads each weight once for all rows. One row is memory-bound; beyond it
   the GEMMs become compute-bound the sooner the fewer bytes a weight has: on the default target 5
-  rows cost ~1.15x one row in float32, ~1.9-2.0x in the 16-bit formats and ~3x in int8.
-* A long prompt prefilled into an empty cache in float16 or int8 uses a register-blocked GEMM
+  rows cost ~1.15x one row in float32, ~1.9-2.0x in the 16-bit formats and ~3x in int8 (Zen 1).
+* A long prompt prefilled into an empty cache in float16, q4_1 or int8 uses a register-blocked GEMM
   (cpu_kernels.linear_wide, 1.1-1.5x faster). For int8 it is the one forward whose rows are not
   batch-invariant, and every engine prefills the same way.
 
