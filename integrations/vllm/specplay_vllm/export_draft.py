@@ -29,17 +29,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engine.models.cache_dir import cache_root
 from engine.models.embedded import embedded_target_dir
 from engine.models.registry import DEFAULT_DRAFT_FILE
+from engine.peers.vllm_peer import exported_draft_dir
 from specplay_vllm.plugin import DRAFT_ARCHITECTURE
 
 HEADS = ("full", "reduced")
 _OURS_TO_VLLM = {"fc.weight": "eagle_linear.weight", "model.model.norm.weight": "norm.weight"}
-
-
-def default_export_dir(head: str = "full") -> Path:
-    return cache_root() / "vllm" / f"smollm2-135m-feature-draft-eagle-{head}"
 
 
 def export_draft(out: Path, head: str = "full", draft_file: Path = DEFAULT_DRAFT_FILE,
@@ -84,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="full: stock vLLM EAGLE (49k head); reduced: our 16k head, needs the plugin")
     ap.add_argument("--out", type=Path, help="output folder (default: under $SPECPLAY_CACHE/vllm)")
     args = ap.parse_args(argv)
-    out = export_draft(args.out or default_export_dir(args.head), args.head)
+    out = export_draft(args.out or exported_draft_dir(args.head), args.head)
     print(out)
     print(f"[export] wrote {out}", file=sys.stderr)
 

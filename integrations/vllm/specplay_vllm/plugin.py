@@ -1,6 +1,6 @@
 """The `vllm.general_plugins` entry point: runs in vLLM's main, engine-core and worker processes.
 
-It installs the CPU expand fix where the bug exists, registers the reduced-head draft
+It installs the fixes of specplay_vllm.fixes where their bugs exist, registers the reduced-head draft
 architecture, and replaces `vllm.v1.sample.rejection_sampler.rejection_sample` with a dispatcher
 that keeps vLLM's own function for `sps` and runs our rule (specplay_vllm.rule) for `tas` and
 `cactus`. Loading twice in one process is harmless (vLLM may do that).
@@ -47,11 +47,12 @@ def register() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler
 
-    from specplay_vllm import cpu_fix, settings
+    from specplay_vllm import fixes, settings
 
     settings.current()  # a bad SPECPLAY_VLLM_* value fails at start-up, not at the first step
     if current_platform.is_cpu():
-        cpu_fix.install()
+        fixes.install_expand_fix()
+    fixes.install_empty_top_k_guard()
     if DRAFT_ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(DRAFT_ARCHITECTURE, "specplay_vllm.draft_model:EagleSpecplayMistralForCausalLM")
     if not hasattr(rejection_sampler.rejection_sample, "specplay_original"):

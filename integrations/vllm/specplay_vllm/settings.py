@@ -13,11 +13,7 @@ import os
 from dataclasses import dataclass
 
 from engine.acceptance import METHODS
-
-ENV_RULE = "SPECPLAY_VLLM_RULE"
-ENV_DELTA = "SPECPLAY_VLLM_DELTA"
-ENV_POSTERIOR_THRESHOLD = "SPECPLAY_VLLM_POSTERIOR_THRESHOLD"
-ENV_POSTERIOR_ALPHA = "SPECPLAY_VLLM_POSTERIOR_ALPHA"
+from engine.peers.vllm_peer import ENV_DELTA, ENV_POSTERIOR_ALPHA, ENV_POSTERIOR_THRESHOLD, ENV_RULE
 
 
 @dataclass(frozen=True)

