@@ -260,7 +260,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--methods", default="ar,sps,tas,cactus",
                     help=f"comma list of {', '.join(DECODE_METHODS + (SSD_METHOD,))}")
     ap.add_argument("--peers", default="hf-ar",
-                    help="comma list of hf-ar, hf-assisted, llama.cpp (needs llama-cpp-python) ('' for none)")
+                    help="comma list of hf-ar, hf-assisted, llama.cpp (needs llama-cpp-python), vllm (needs the "
+                    "plugin venv: bash integrations/vllm/install.sh) ('' for none)")
+    ap.add_argument("--vllm-batch", default="1,8", help="batch sizes of the vllm peer rows (requests given at once)")
     # The sampling every default-pair number is reported at (the draft issue's setting), so that a
     # command copied from a model card reproduces its numbers without extra flags.
     add_spec_arguments(ap, k_sweep=True, temperature=REPORTED_SAMPLING.temperature, top_p=REPORTED_SAMPLING.top_p,
@@ -288,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     args = parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     peers = [m for m in args.peers.split(",") if m]
+    vllm = "vllm" in peers  # whole rows from its own venv (engine/peers/vllm_peer.py), not per-repeat calls
+    peers = [m for m in peers if m != "vllm"]
     for m in methods:
         if m not in DECODE_METHODS + (SSD_METHOD,):
             raise SystemExit(f"unknown method {m!r}; expected one of {', '.join(DECODE_METHODS + (SSD_METHOD,))}")
@@ -355,6 +359,12 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
             row.update(fanout=args.fanout, fanout_mode=args.fanout_mode, budget=cfg.ssd_cache_budget,
                        downweight_c=args.downweight_c, backup=args.backup)
         rows.append(row)
+    if vllm:
+        from engine.peers.vllm_peer import bench_rows
+
+        rows += bench_rows(pair.name, methods, prompts, replace(cfg, num_speculative_tokens=ks[0]), args.ignore_eos,
+                           args.repeats, [int(b) for b in args.vllm_batch.split(",")],
+                           formats[0] if formats[0] in ("float32", "bfloat16") else "bfloat16")
     # Each engine row against AR in the same weight format; peers against the first format's AR.
     ar = {r["weight_dtype"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
     for row in rows:
