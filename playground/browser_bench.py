@@ -1,0 +1,191 @@
+"""`python -m playground.browser_bench`: the engine alone against the same run watched in a browser.
+
+For each method at the Generate tab's default settings (default prompt, seed 0) it runs, side by
+side and interleaved repeat by repeat, (1) `engine.generate` / the SSD engine on this process's
+main thread with the page's inspector width, and (2) the same request through a real playground
+server (`python app.py`) in headless Debian Chromium via Playwright, timing the token view in the
+page itself (a MutationObserver stamps every change of the token count with performance.now()).
+It prints medians of: engine-only decode tok/s; the page's tok/s (the engine's own decode rate as
+the page ran it, shown in its status line); their ratio; the rate the browser saw tokens arrive;
+time to first token (click to first token drawn); the longest gap between token-view updates
+after the first token; the longest main-thread task Chromium reported.
+
+Run by hand on a quiet machine (not in CI): `flock -x /tmp/specplay-cpu.lock python -m playground.browser_bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+from engine.decoding import generate
+from engine.events import FinishEvent
+from engine.models import load_pair
+from engine.ssd.ssd_decoding import SSDEngine
+from playground.limits import DEFAULT_PROMPT, DEFAULT_SETTINGS, METHOD_LABELS, UI_METHODS, Limits, build_config, inspector_width
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("SPECPLAY_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+STARTUP_GUARD_SECONDS = 300  # hang guards only
+RUN_GUARD_MS = 180_000
+
+# Stamps every change of the token count once the status line has left the previous run's
+# "finished"; __done when it says "finished" again.
+WATCH_JS = """() => {
+  for (const o of window.__observers || []) o.disconnect();
+  window.__observers = [];
+  window.__marks = [];
+  window.__longest = 0;
+  window.__done = false;
+  const tasks = new PerformanceObserver(l => { for (const e of l.getEntries()) window.__longest = Math.max(window.__longest, e.duration); });
+  tasks.observe({type: 'longtask', buffered: false});
+  window.__observers.push(tasks);
+  const view = document.querySelector('#tokens'), status = document.querySelector('#status');
+  let last = -1, running = false;
+  const watch = () => {
+    const finished = status.innerText.includes('finished');
+    if (!finished) running = true;
+    if (!running) return;  // still the previous run's view
+    const n = view.querySelectorAll('.token').length;
+    if (n !== last) { last = n; window.__marks.push([performance.now(), n]); }
+    if (finished) window.__done = true;
+  };
+  for (const el of [view, status]) {
+    const o = new MutationObserver(watch);
+    o.observe(el, {subtree: true, childList: true, characterData: true});
+    window.__observers.push(o);
+  }
+  window.__t0 = performance.now();
+  document.querySelector('#generate-btn').click();
+}"""
+
+
+def settings(method: str, k: int) -> dict:
+    return {**DEFAULT_SETTINGS, "method": method, "k": k}
+
+
+def engine_only(pair, method: str, k: int, ssd: SSDEngine | None) -> float:
+    """Decode tok/s of the engine alone on the main thread, the page's settings and inspector width."""
+    cfg = build_config(Limits(), **settings(method, k))
+    cfg = replace(cfg, inspect_top_n=inspector_width(pair.vocab_size, cfg.top_k))
+    ids = pair.encode_prompt(DEFAULT_PROMPT)
+    if method == "ssd":
+        events = ssd.generate([ids], cfg, eos_token_ids=pair.eos_token_ids)
+    else:
+        drafter = None if method == "ar" else pair.make_drafter("model")
+        events = generate(pair.make_target(), drafter, pair.tokenizer, ids, cfg, eos_token_ids=pair.eos_token_ids)
+    finish = [e for e in events if isinstance(e, FinishEvent)][-1]
+    return finish.metrics["decode_tokens_per_s"]
+
+
+def start_server(pair: str, port: int, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "app.py", "--pair", pair, "--host", "127.0.0.1", "--port", str(port),
+                             "--devices", "cpu"], cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", GRADIO_ANALYTICS_ENABLED="False"))
+    guard = time.monotonic() + STARTUP_GUARD_SECONDS
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the playground exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2):
+                return proc
+        except OSError:
+            if time.monotonic() > guard:
+                raise RuntimeError("the playground did not start") from None
+            time.sleep(0.5)
+
+
+def page_run(page, method: str) -> dict:
+    """One Generate click at the defaults; the page's own tok/s and the browser's view of the stream."""
+    page.get_by_label(METHOD_LABELS[method]).check()
+    page.evaluate(WATCH_JS)
+    page.wait_for_function("window.__done", timeout=RUN_GUARD_MS)
+    marks, t0, longest = page.evaluate("[window.__marks, window.__t0, window.__longest]")
+    marks = [(t, n) for t, n in marks if n > 0]
+    status = page.locator("#status").inner_text()
+    tps = float(status.split(" tok/s")[0].split("·")[-1].strip())
+    times = [t for t, _ in marks]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    span = (times[-1] - times[0]) / 1e3 if len(times) > 1 else 0.0
+    return {"page_tps": tps, "tokens": marks[-1][1], "first_token_s": (times[0] - t0) / 1e3,
+            "longest_gap_s": max(gaps, default=0.0) / 1e3,
+            "seen_tps": (marks[-1][1] - marks[0][1]) / span if span else None, "long_task_ms": longest}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", default="default", choices=("default", "tiny"))
+    ap.add_argument("--methods", default=",".join(UI_METHODS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--port", type=int, default=0)
+    args = ap.parse_args(argv)
+    from playwright.sync_api import sync_playwright
+
+    methods = [m for m in args.methods.split(",") if m]
+    pair = load_pair(args.pair)
+    k = pair.recommended_k("model")
+    ssd = SSDEngine(pair) if "ssd" in methods else None
+    port = args.port or _free_port()
+    log = ROOT / "artifacts" / "browser-bench-server.log"
+    log.parent.mkdir(exist_ok=True)
+    server = start_server(args.pair, port, log)
+    rows: dict[str, list[tuple[float, dict]]] = {m: [] for m in methods}
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page.goto(f"http://127.0.0.1:{port}")
+            page.wait_for_selector("#generate-btn")
+            for method in methods:  # warm-up: first SSD worker start, first chart draw
+                engine_only(pair, method, k, ssd)
+                page_run(page, method)
+            for _ in range(args.repeats):
+                for method in methods:
+                    rows[method].append((engine_only(pair, method, k, ssd), page_run(page, method)))
+                    print(method, f"engine {rows[method][-1][0]:.1f} tok/s, page", rows[method][-1][1], flush=True)
+            browser.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        if ssd is not None:
+            ssd.close()
+    print(f"pair {args.pair}, K {k}, defaults {DEFAULT_SETTINGS}, median of {args.repeats}; CPU: {_cpu_name()}")
+    print(f"{'method':8} {'engine tok/s':>12} {'page tok/s':>10} {'ratio':>6} {'seen tok/s':>10} "
+          f"{'1st token s':>11} {'longest gap s':>13} {'long task ms':>12}")
+    for method, results in rows.items():
+        def med(key: str) -> float:
+            values = [r[key] for _, r in results if r[key] is not None]
+            return statistics.median(values) if values else float("nan")
+
+        engine = statistics.median(e for e, _ in results)
+        print(f"{method:8} {engine:12.1f} {med('page_tps'):10.1f} {med('page_tps') / engine:6.2f} "
+              f"{med('seen_tps'):10.1f} {med('first_token_s'):11.2f} {max(r['longest_gap_s'] for _, r in results):13.2f} "
+              f"{max(r['long_task_ms'] for _, r in results):12.0f}")
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
