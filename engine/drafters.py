@@ -65,7 +65,7 @@ class Drafter(ABC):
 
     def propose_branches(self, context: Sequence[int], speculation: Sequence[int], forks: Sequence[tuple[int, int]],
                          k: int, params: SamplingParams, uniforms: torch.Tensor,
-                         shape: ProposalShape | None = None) -> list[Proposal]:
+                         shape: ProposalShape | None = None, stop: Callable[[], bool] | None = None) -> list[Proposal]:
         """Draft `k` tokens for every fork of a speculation: SSD's speculation-cache fill (§4.6).
 
         Fork `(d, y)` (0 <= d <= len(speculation)) is the verification outcome "d drafted tokens
@@ -74,6 +74,10 @@ class Drafter(ABC):
         sampling) or from D_i itself when `shape` is None; each returned Proposal carries the
         exact distributions its tokens were drawn from, so verification stays lossless.
 
+        `stop` (SSD's fill sized to the verification) is asked before each unit of work; once it
+        says True the fill ends, so the result covers a prefix of `forks`, each branch with at
+        least one token, all of them cut to the depth reached.
+
         This default loops over the branches with `propose` (correct for every drafter, one branch
         at a time); `ModelDrafter` overrides it with one batched tree pass per depth.
         """
@@ -81,6 +85,8 @@ class Drafter(ABC):
             raise ValueError(f"each branch needs k >= 1 drafted tokens, got {k}")
         out = []
         for (d, y), u in zip(forks, uniforms):
+            if stop is not None and stop():
+                break
             prefix = list(context) + list(speculation[:d]) + [int(y)]
             if shape is None:
                 out.append(self.propose(prefix, k, params, u))
@@ -145,7 +151,7 @@ class ModelDrafter(Drafter):
 
     def propose_branches(self, context: Sequence[int], speculation: Sequence[int], forks: Sequence[tuple[int, int]],
                          k: int, params: SamplingParams, uniforms: torch.Tensor,
-                         shape: ProposalShape | None = None) -> list[Proposal]:
+                         shape: ProposalShape | None = None, stop: Callable[[], bool] | None = None) -> list[Proposal]:
         """All branches in one tree forward per depth, sharing the prefix KV (SSD tree decode, §4.6).
 
         The KV cache holds `context + speculation` (the glue); step i feeds one token per branch
@@ -153,7 +159,7 @@ class ModelDrafter(Drafter):
         tokens only. Backends without a tree forward (transformers) use the per-branch default.
         """
         if not self.lm.supports_tree or not forks:
-            return super().propose_branches(context, speculation, forks, k, params, uniforms, shape)
+            return super().propose_branches(context, speculation, forks, k, params, uniforms, shape, stop)
         if k < 1:
             raise ValueError(f"each branch needs k >= 1 drafted tokens, got {k}")
         glue = list(context) + list(speculation)
@@ -174,6 +180,8 @@ class ModelDrafter(Drafter):
         eye = torch.eye(n, dtype=torch.bool)
         tokens, rows = [], []
         for i in range(k):
+            if stop is not None and stop():
+                break
             own = torch.cat([own, eye], dim=1)
             logits = self.lm.forward_tree(feed.tolist(), (len(context) + depth + i).tolist(), base + i * n,
                                           torch.cat([visible, own], dim=1))
@@ -183,8 +191,7 @@ class ModelDrafter(Drafter):
             feed = sample_from(probs, uniforms[:, i])
             tokens.append(feed)
             rows.append(probs)
-        tokens_t, probs_t = torch.stack(tokens, dim=1), torch.stack(rows, dim=1)  # [n, k], [n, k, V]
-        return [Proposal(tokens_t[b].tolist(), probs_t[b]) for b in range(n)]
+        return branch_proposals(tokens, rows)
 
 
 class NgramDrafter(Drafter):
@@ -217,6 +224,14 @@ def lookup_continuation(context: Sequence[int], k: int, max_ngram: int, min_ngra
             if seq[start:start + n] == tail:
                 return seq[start + n:start + n + k]
     return []
+
+
+def branch_proposals(tokens: list[torch.Tensor], rows: list[torch.Tensor]) -> list[Proposal]:
+    """Per-branch proposals from a tree pass's per-depth draws ([n] tokens, [n, V] rows each)."""
+    if not tokens:
+        return []
+    tokens_t, probs_t = torch.stack(tokens, dim=1), torch.stack(rows, dim=1)  # [n, depth], [n, depth, V]
+    return [Proposal(tokens_t[b].tolist(), probs_t[b]) for b in range(tokens_t.shape[0])]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:

@@ -119,6 +119,16 @@ class SSDRoundEvent:
     theoretical_speedup: float | None  # Theorem 7 with the measured rates
     measured_speedup: float | None  # tokens per verification-time, measured
     rates: dict = field(default_factory=dict)
+    backup: str = ""  # the backup this round actually used on a miss (what `adaptive` chose)
+    cache_key_texts: tuple[tuple[str, ...], ...] = ()  # per sequence: each cache key's token as text
+    budget_requested: int = 0  # Σ F_k the settings asked for
+    budget_used: int = 0  # Σ F_k the searched cache was actually filled with (fill sized to the verify)
+    cache_depth: int = 0  # tokens per branch the searched cache reached (< K: the fill was cut)
+    first_kept: tuple[bool | None, ...] = ()  # feature draft, per sequence: cached first token kept by the redraft
+    next_fill: tuple[int, int, bool] = (0, 0, False)  # the fill made during this round: branches, depth, cut
+    fill_window_seconds: float | None = None  # the worker's estimate of the time a fill has (reply to request)
+    projected_tokens_per_s: float | None = None  # running projection, dedicated draft device (not a measurement)
+    model_tokens_per_s: float | None = None  # the same model at the target's measured speed (checks it)
 
 
 @dataclass(frozen=True)

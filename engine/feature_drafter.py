@@ -11,11 +11,11 @@ known, so the draft never drifts from the target's view of the committed text.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.drafters import Drafter, Proposal, ProposalShape
+from engine.drafters import Drafter, Proposal, ProposalShape, branch_proposals
 from engine.models.causal_lm import CausalLM
 from engine.models.fast_llama import PackedLinear
 from engine.models.feature_draft import FeatureDraft
@@ -92,15 +92,17 @@ class FeatureDrafter(Drafter):
     @torch.inference_mode()
     def propose_branches(self, context: Sequence[int], speculation: Sequence[int], forks: Sequence[tuple[int, int]],
                          k: int, params: SamplingParams, uniforms: torch.Tensor,
-                         shape: ProposalShape | None = None) -> list[Proposal]:
+                         shape: ProposalShape | None = None, stop: Callable[[], bool] | None = None) -> list[Proposal]:
         """Every fork's branch in one tree forward per depth (see `ModelDrafter.propose_branches`).
 
         A fork (d, y) puts token y at position p = len(context) + d; its input feature is the
-        draft's own f̂ of position p - 1 (the target has not verified it yet), and each later
+        target's f_{p-1} where the target has already computed it (a just-in-time draft after a
+        verification, exactly what `propose` feeds), else the draft's own f̂ of position p - 1
+        (an SSD cache branch: the target is verifying that position right now), and each later
         branch token feeds the f̂ its branch just produced -- the drafting recurrence, per branch.
         """
         if not hasattr(self.lm, "forward_tree_embeds") or not forks:
-            return super().propose_branches(context, speculation, forks, k, params, uniforms, shape)
+            return super().propose_branches(context, speculation, forks, k, params, uniforms, shape, stop)
         if k < 1:
             raise ValueError(f"each branch needs k >= 1 drafted tokens, got {k}")
         glue = list(context) + list(speculation)
@@ -110,13 +112,16 @@ class FeatureDrafter(Drafter):
         if depth.min() < 0 or depth.max() > len(speculation):
             raise ValueError(f"fork depths must be in [0, {len(speculation)}]")
         positions = len(context) + depth  # sequence position of each branch's first token
-        feature = torch.stack([self._outputs[p - 2] for p in positions.tolist()])
+        feature = torch.stack([self._feature_rows[p - 1] if p - 1 < self._num_features else self._outputs[p - 2]
+                               for p in positions.tolist()])
         feed = torch.tensor([int(y) for _, y in forks])
         visible = torch.arange(base)[None, :] < (positions - 1)[:, None]  # entries of positions < p
         own = torch.zeros(n, 0, dtype=torch.bool)
         eye = torch.eye(n, dtype=torch.bool)
         tokens, rows = [], []
         for i in range(k):
+            if stop is not None and stop():
+                break
             own = torch.cat([own, eye], dim=1)
             x = self._input(feed, feature)
             feature = self.lm.forward_tree_embeds(x, (positions - 1 + i).tolist(), base + i * n,
@@ -127,8 +132,7 @@ class FeatureDrafter(Drafter):
             feed = sample_from(probs, uniforms[:, i])
             tokens.append(feed)
             rows.append(probs)
-        tokens_t, probs_t = torch.stack(tokens, dim=1), torch.stack(rows, dim=1)
-        return [Proposal(tokens_t[b].tolist(), probs_t[b]) for b in range(n)]
+        return branch_proposals(tokens, rows)
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Bring the draft KV to entries for positions 1..len(context)-1; return f̂ of the last one."""

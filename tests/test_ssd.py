@@ -1,11 +1,14 @@
 """SSD building blocks: fan-out (Theorem 12), Saguaro sampling (Def. 14), cache keys, backups
-(Theorem 17), the speedup model (Theorem 7), device specs and the batched tree decode."""
+(Theorem 17), the speedup model (Theorem 7), device specs, the batched tree decode, the fill sized
+to the verification, the first-token redraw of a feature draft's hits and the projection."""
 
 import math
 
 import pytest
 import torch
 
+from tests.stats import matches
+from tests.test_feature_draft import _features, feature_pair  # noqa: F401 (a fixture)
 from engine.acceptance import RandomDraws, verify
 from engine.drafters import Drafter
 from engine.sampling import SamplingParams
@@ -13,7 +16,9 @@ from engine.ssd.backups import fast_backup, ngram_backup, resolve_backup
 from engine.ssd.devices import parse_device, parse_devices
 from engine.ssd.fanout import FanoutPlanner, geometric_fanout, geometric_weights, round_to_budget, uniform_fanout
 from engine.ssd.saguaro import saguaro_distribution, saguaro_shape
-from engine.ssd.speculation_cache import SpeculationCache, fork_keys
+from engine.ssd.fill_budget import MARGIN, FillSizer
+from engine.ssd.projection import ProjectionTrace, RoundTiming
+from engine.ssd.speculation_cache import SpeculationCache, couple_first_token, fork_keys
 from engine.ssd.theory import best_backup, sd_speedup, ssd_speedup
 
 
@@ -199,3 +204,115 @@ def test_default_branches_work_for_a_drafter_without_a_model(tiny_pair):
     assert out[1].tokens == [2, 3] and out[0].tokens == []
     with pytest.raises(ValueError, match="k >= 1"):
         drafter.propose_branches([1], [], [(0, 1)], 0, SamplingParams(), torch.rand(1, 0))
+
+
+def _sizer(window: float, glue: float, steps: dict[int, float]) -> FillSizer:
+    sizer = FillSizer()
+    sizer.observe_window(window)
+    for _ in range(2):  # the first observation of each kind is a warm-up and is skipped
+        sizer.observe_glue(glue)
+        for n, t in steps.items():
+            sizer.observe_step(n, t)
+    return sizer
+
+
+def test_fill_keeps_the_depth_and_takes_the_largest_budget_that_fits_the_window():
+    # step(n) = 1 ms + 0.1 ms per branch, glue 2 ms, window 20 ms (18 ms planned), K = 3:
+    # 2 + 3 (1 + 0.1 B) <= 18  ->  B <= 43
+    sizer = _sizer(0.020, 0.002, {1: 0.0011, 11: 0.0021, 21: 0.0031})
+    assert sizer.step_seconds(10) == pytest.approx(0.002)
+    plan = sizer.plan([20, 20, 20, 20])
+    assert (plan.budget, plan.depth) == (43, 3)  # the uniform plan scaled down
+    assert plan.fanouts == (11, 11, 11, 10)
+    assert sizer.plan([3, 3, 3, 3]).fanouts == (3, 3, 3, 3)  # the request fits: unchanged
+    # Geometric plans stay geometric when scaled (largest-remainder rounding of the same weights).
+    assert sizer.plan([20, 10, 5, 40]).fanouts == tuple(round_to_budget([20, 10, 5, 40], 43))
+
+
+def test_fill_shortens_the_depth_then_skips_when_nothing_fits():
+    sizer = _sizer(0.010, 0.002, {1: 0.003, 2: 0.003})  # one step 3 ms: 2 + 3d <= 9 -> d = 2
+    plan = sizer.plan([2, 2, 2, 2, 2])
+    assert plan.depth == 2 and plan.budget == 10
+    assert sizer.plan([2, 2], sequences=4).depth == 0  # a quarter of the window fits no step
+    assert FillSizer().plan([2, 2]).depth == 1  # nothing measured yet: the first fill measures
+    assert MARGIN < 1
+
+
+def test_coupled_first_token_is_a_draw_from_the_fresh_distribution_and_keeps_the_cached_one_when_it_can():
+    """The redraw that makes a feature draft's cache hit as good as a synchronous draft: whatever
+    the stale D~ the cached token came from, the served token follows the fresh D exactly, and it
+    is the cached one with probability 1 - TV(D, D~)."""
+    gen = torch.Generator().manual_seed(3)
+    fresh = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    cached = torch.tensor([0.1, 0.2, 0.3, 0.1, 0.3])
+    n = 20000
+    drawn = torch.multinomial(cached, n, replacement=True, generator=gen)
+    out, kept = [], 0
+    for x, u in zip(drawn.tolist(), torch.rand(n, 2, generator=gen)):
+        token, k = couple_first_token(fresh, cached, x, u)
+        out.append(token)
+        kept += k and token == x
+    assert matches(torch.tensor(out), fresh)
+    tv = 0.5 * float((fresh - cached).abs().sum())
+    assert abs(kept / n - (1 - tv)) < 0.02
+    assert couple_first_token(fresh, fresh, 2, torch.tensor([0.99, 0.5])) == (2, True)
+
+
+def test_a_just_in_time_feature_branch_drafts_what_a_synchronous_draft_does(feature_pair):
+    """The neural backup (the one-branch tree forking at the last committed token) uses the target's
+    real features, as `propose` does, not the draft's own predicted ones."""
+    tokens = feature_pair.encode_prompt("backup") + [11, 12, 13]
+    sync = feature_pair.make_drafter("model", "fast", "float32")
+    jit = feature_pair.make_drafter("model", "fast", "float32")
+    features = _features(feature_pair, "fast", tokens)[:-1]  # the target has verified every token but the last
+    for d in (sync, jit):
+        d.start()
+        d.observe_target(0, features)
+    params = SamplingParams(temperature=0.8)
+    u = torch.rand(3)
+    want = sync.propose(tokens, 3, params, u)
+    got = jit.propose_branches(tokens[:-1], [], [(0, tokens[-1])], 3, params, u[None])[0]
+    assert got.tokens == want.tokens
+    torch.testing.assert_close(got.probs, want.probs, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("features", [False, True])
+def test_a_cut_fill_serves_a_prefix_of_the_full_fill(tiny_pair, feature_pair, features):
+    """A fill stopped early (the next request is due) holds the first tokens of the branches the
+    full fill would have drafted, with the same distributions: cutting never changes what is
+    served, only how much, so the output stays exact."""
+    pair = feature_pair if features else tiny_pair
+    context = pair.encode_prompt("cut the fill") + [30, 31, 32]
+    speculation, forks = [40, 41], [(0, 7), (1, 9), (2, 11), (2, 12)]
+    params, uniforms = SamplingParams(0.9), torch.rand(4, 3)
+    drafted = []
+    for cut in (None, 2):
+        d = pair.make_drafter("model", "fast", "float32")
+        d.start()
+        if features:
+            d.observe_target(0, _features(pair, "fast", context)[:-1])
+        d.score(context, speculation)
+        calls = iter(range(10))
+        stop = None if cut is None else (lambda: next(calls) >= cut)
+        drafted.append(d.propose_branches(context, speculation, forks, 3, params, uniforms, None, stop))
+    full, short = drafted
+    assert len(short) == len(full) and all(len(b.tokens) == 2 for b in short)
+    for a, b in zip(short, full):
+        assert a.tokens == b.tokens[:2]
+        torch.testing.assert_close(a.probs, b.probs[:2])
+
+
+def test_projection_replaces_only_the_verification_and_charges_a_fill_that_no_longer_fits():
+    trace = ProjectionTrace(prefill=0.1, prefill_full=0.05)
+    trace.rounds = [RoundTiming(emitted=2, verify=0.020, verify_full=0.010, loop=0.004, serve=0.002, message=0.001,
+                                fill=0.012)] * 10
+    # pinned: 0.1 + 10 (0.003 + max(0.024, 0.012)); full machine: 0.05 + 10 (0.003 + max(0.014, 0.012))
+    assert trace.tokens_per_s(False) == pytest.approx(20 / (0.1 + 10 * 0.027))
+    assert trace.tokens_per_s(True) == pytest.approx(20 / (0.05 + 10 * 0.017))
+    trace.rounds = [replace_fill(r, 0.030) for r in trace.rounds]  # the fill outlasts the faster verify
+    assert trace.tokens_per_s(True) == pytest.approx(20 / (0.05 + 10 * 0.033))
+    assert "projected" in trace.summary()["projection_assumptions"]
+
+
+def replace_fill(r: RoundTiming, fill: float) -> RoundTiming:
+    return RoundTiming(r.emitted, r.verify, r.verify_full, r.loop, r.serve, r.message, fill)

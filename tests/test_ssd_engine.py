@@ -1,7 +1,10 @@
 """SSD end to end with a real draft worker process: losslessness, cache hits, batches, worker loss."""
 
+import multiprocessing as mp
 import os
 import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from engine.decoding import generate
 from engine.events import FinishEvent, RoundEvent, SSDRoundEvent, StartEvent, TokenEvent, WorkerEvent
 from engine.sampling import SamplingParams, logits_to_probs
 from engine.ssd.ssd_decoding import SSDEngine
+from engine.ssd.worker import WorkerInfo, _serve
 from tests.stats import matches
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="SSD needs two cores")
@@ -22,9 +26,50 @@ def engine(tiny_pair):
         yield eng
 
 
+class _SlowTarget:
+    """A real target whose every forward also sleeps: a verification long enough that a sized fill
+    has room to cache something (the regime SSD is built for), whatever this machine's speed."""
+
+    def __init__(self, lm, delay: float) -> None:
+        object.__setattr__(self, "_lm", lm)
+        object.__setattr__(self, "_delay", delay)
+
+    def __getattr__(self, name):
+        return getattr(self._lm, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._lm, name, value)
+
+    def forward(self, *args, **kwargs):
+        time.sleep(self._delay)
+        return self._lm.forward(*args, **kwargs)
+
+
+class _SlowTargetEngine(SSDEngine):
+    def _make_targets(self, n):
+        return [t if isinstance(t, _SlowTarget) else _SlowTarget(t, 0.0015) for t in super()._make_targets(n)]
+
+
+@pytest.fixture(scope="module")
+def sized_engine(tiny_pair):
+    """The sized fill with a verification that leaves it room: caches are cut in budget and depth."""
+    with _SlowTargetEngine(tiny_pair, target_device="cpu:0", draft_device="cpu:1") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def full_engine(tiny_pair):
+    """The released engine's full fill: every branch to depth K, however long the verification."""
+    with SSDEngine(tiny_pair, target_device="cpu:0", draft_device="cpu:1", fill_to_verify=False) as eng:
+        yield eng
+
+
 @pytest.fixture(scope="module")
 def self_engine(tiny_pair):
-    with SSDEngine(tiny_pair, drafter_kind="self", target_device="cpu:0", draft_device="cpu:1") as eng:
+    """The target drafting for itself, with the released engine's full fill (a self-draft's fill
+    outlasts the verification, so a sized fill would cut it)."""
+    with SSDEngine(tiny_pair, drafter_kind="self", target_device="cpu:0", draft_device="cpu:1",
+                   fill_to_verify=False) as eng:
         yield eng
 
 
@@ -47,9 +92,9 @@ def test_greedy_ssd_equals_autoregressive(tiny_pair, engine, method, backup, mod
     assert fin[0].metrics["cache_lookups"] > 0 and "cpu:1" in fin[0].metrics["devices"]
 
 
-def test_batch_rows_hit_and_miss_separately_and_each_equals_ar(tiny_pair, engine):
+def test_batch_rows_hit_and_miss_separately_and_each_equals_ar(tiny_pair, full_engine):
     prompts = [tiny_pair.encode_prompt(p) for p in ("Once upon a time", "1, 2, 3, 4,", "def main():")]
-    events = list(engine.generate(prompts, SpecConfig(max_new_tokens=24, temperature=0.0, num_speculative_tokens=3)))
+    events = list(full_engine.generate(prompts, SpecConfig(max_new_tokens=24, temperature=0.0, num_speculative_tokens=3)))
     fins = finishes(events)
     assert [f.sequence for f in fins] == [0, 1, 2]
     for prompt, fin in zip(prompts, fins):
@@ -78,7 +123,8 @@ def test_self_draft_hits_every_lookup_at_temperature_zero(tiny_pair, self_engine
     assert lanes == {"draft", "target", "wait"}
 
 
-@pytest.mark.parametrize("draft,downweight_c,fanout", [("engine", 1.0, 40), ("self_engine", 0.3, 2)])
+@pytest.mark.parametrize("draft,downweight_c,fanout", [("full_engine", 1.0, 40), ("self_engine", 0.3, 2),
+                                                    ("sized_engine", 1.0, 40)])
 def test_cache_served_tokens_follow_the_target_distribution(tiny_pair, request, draft, downweight_c, fanout):
     """Losslessness at T > 0, Saguaro sampling off and on: every token of a round served from the
     cache is distributed, given its prefix, as the target's next-token distribution. Prefixes
@@ -88,13 +134,17 @@ def test_cache_served_tokens_follow_the_target_distribution(tiny_pair, request, 
 
     Off: the random tiny draft, which ranks the target's top-6 poorly, so a wide fan-out is needed
     for hits. On: the target as its own draft, where Saguaro (C = 0.3 on the top-3 of 6 tokens)
-    is what makes the draft differ from the target and the rejections happen.
+    is what makes the draft differ from the target and the rejections happen. Adaptive: the same
+    random draft with the fill sized to a (slowed) verification, so caches are cut in budget and
+    depth (how much depends on the machine: it runs seeds until it has the samples).
     """
     engine = request.getfixturevalue(draft)
     prompt = tiny_pair.encode_prompt("stats")
     params = SamplingParams(1.0, top_k=6)
     samples = []
-    for seed in range(0, 400, 100):  # rows use seed + row: spaced seeds never share a generator
+    for seed in range(0, 4000, 100):  # rows use seed + row: spaced seeds never share a generator
+        if len(samples) > 400 or (draft != "sized_engine" and seed >= 400):
+            break
         cfg = SpecConfig(method="sps", num_speculative_tokens=2, max_new_tokens=16, temperature=1.0, top_k=6,
                          ssd_fanout=fanout, downweight_c=downweight_c, seed=seed)
         events = list(engine.generate([prompt] * 8, cfg))
@@ -163,3 +213,74 @@ def test_greedy_ssd_equals_autoregressive_on_the_default_pair(default_pair):
         events = list(eng.generate([prompt], SpecConfig(max_new_tokens=32, temperature=0.0)))
     assert isinstance(events[1], StartEvent) or isinstance(events[0], WorkerEvent)
     assert finishes(events)[0].token_ids == ar_tokens(default_pair, prompt, 32)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("draft", ["engine", "full_engine"])
+def test_greedy_ssd_equals_autoregressive_at_every_k(tiny_pair, request, draft, k):
+    """Sized fill (caches cut to the verification) and the released engine's full fill alike."""
+    prompt = tiny_pair.encode_prompt("Count with me")
+    cfg = SpecConfig(max_new_tokens=30, temperature=0.0, num_speculative_tokens=k, ssd_fanout_mode="geometric")
+    events = list(request.getfixturevalue(draft).generate([prompt], cfg))
+    assert finishes(events)[0].token_ids == ar_tokens(tiny_pair, prompt, 30)
+    rounds = [e for e in events if isinstance(e, SSDRoundEvent)]
+    assert all(r.budget_used <= r.budget_requested and r.cache_depth <= k for r in rounds)
+    if draft == "full_engine":
+        assert all(r.budget_used == r.budget_requested and r.cache_depth == k for r in rounds[1:])
+
+
+class _SlowDrafter:
+    """A real drafter made deliberately slow: every drafted token (backup or cache-fill step) sleeps."""
+
+    def __init__(self, drafter, step_delay: float) -> None:
+        self._drafter, self._delay = drafter, step_delay
+
+    def __getattr__(self, name):
+        return getattr(self._drafter, name)
+
+    def propose(self, context, k, params, uniforms):
+        time.sleep(self._delay * k)
+        return self._drafter.propose(context, k, params, uniforms)
+
+    def propose_branches(self, context, speculation, forks, k, params, uniforms, shape=None, stop=None):
+        def slow_stop() -> bool:
+            if stop is not None and stop():
+                return True
+            time.sleep(self._delay)
+            return False
+        return self._drafter.propose_branches(context, speculation, forks, k, params, uniforms, shape, slow_stop)
+
+
+class _InThreadWorker(SSDEngine):
+    """The real worker loop (engine.ssd.worker._serve) in a thread of this process, with a slow drafter."""
+
+    step_delay = 0.1
+
+    def start(self):
+        self.close()
+        parent, child = mp.Pipe()
+        first = _SlowDrafter(self.pair.make_drafter("model"), self.step_delay)
+        self._process = threading.Thread(target=_serve, args=(self.spec, self.draft_device, first, child), daemon=True)
+        self._process.start()
+        self._conn = parent
+        self.info = WorkerInfo(first.name, "fast", "thread", first.needs_target_features)
+        return self.info
+
+
+def test_a_slow_draft_worker_never_makes_a_round_wait_for_its_cache(tiny_pair):
+    """Each tree step of this worker's fill takes far longer than a verification of the tiny target.
+    The first fills run before the worker has measured anything (each ends at the step in progress
+    once the request is waiting); as soon as it has, it knows no step fits the window and never
+    starts one again, so every later round is answered at once by the backup, with the worker
+    doing nothing else: a round waits for the verification and the backup only. Counts and order,
+    no timing thresholds (the released engine's fill would run K steps every round)."""
+    prompt = tiny_pair.encode_prompt("slow draft")
+    with _InThreadWorker(tiny_pair, target_device="cpu:0", draft_device="cpu:1") as eng:
+        events = list(eng.generate([prompt], SpecConfig(max_new_tokens=40, temperature=0.0,
+                                                        num_speculative_tokens=2)))
+    rounds = [e for e in events if isinstance(e, SSDRoundEvent)]
+    assert finishes(events)[0].token_ids == ar_tokens(tiny_pair, prompt, 40)
+    filled = [i for i, r in enumerate(rounds) if r.next_fill[0] > 0]
+    assert len(rounds) > 10 and len(filled) <= 3 and all(i < 4 for i in filled)  # learning rounds only
+    late = rounds[4:]
+    assert all(r.sources == ("neural",) and r.next_fill == (0, 0, True) for r in late)

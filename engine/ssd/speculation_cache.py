@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.drafters import Proposal
+from engine.sampling import sample_from
 
 Key = tuple[int, int]  # (num_accepted k, next token y)
 
@@ -56,3 +57,24 @@ class SpeculationCache:
 
     def keys(self) -> tuple[Key, ...]:
         return tuple(self.entries)
+
+    @property
+    def depth(self) -> int:
+        """Tokens per cached speculation (every branch of a fill reaches the same depth)."""
+        return min((len(p.tokens) for p in self.entries.values()), default=0)
+
+
+def couple_first_token(fresh: torch.Tensor, cached: torch.Tensor, token: int, uniforms: torch.Tensor) -> tuple[int, bool]:
+    """A draw from `fresh` (D) that keeps the cached `token`, drawn from `cached` (D~), when it can.
+
+    The speculative-sampling coupling between two drafts: keep x~ with probability
+    min(1, D(x~)/D~(x~)), else draw from norm(max(D − D~, 0)). The result is distributed exactly
+    as D and equals x~ with probability 1 − TV(D, D~), the most any coupling allows. Returns
+    (token, kept); `uniforms` holds the two uniforms [2] it uses.
+    """
+    if float(uniforms[0]) * float(cached[token]) < float(fresh[token]):
+        return token, True
+    residual = (fresh - cached).clamp(min=0)
+    if float(residual.sum()) <= 0:  # D = D~ up to rounding: x~ is already a draw from D
+        return token, True
+    return int(sample_from(residual, uniforms[1])), False

@@ -18,8 +18,10 @@ generation with synchronous drafting in this process (the next generation starts
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import multiprocessing as mp
+import statistics
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.config import SpecConfig
+from engine.acceptance import VerifyResult
 from engine.decoding import _token_events, apply_rule
 from engine.detokenize import IncrementalDetokenizer
 from engine.drafters import Drafter, Proposal
@@ -38,11 +41,15 @@ from engine.models.registry import DEFAULT_FAST_WEIGHTS, ModelPair
 from engine.ssd.backups import resolve_backup
 from engine.ssd.devices import DeviceSpec, default_devices, parse_device, pinned
 from engine.ssd.fanout import FanoutPlanner
-from engine.ssd.worker import (BuildReport, DrafterSpec, RoundReply, RoundRequest, SeqRequest, StartRequest,
+from engine.ssd.projection import ProjectionTrace, RoundTiming
+from engine.ssd.speculation_cache import Key
+from engine.ssd.worker import (BuildReport, DrafterSpec, RoundReply, RoundRequest, SeqReply, SeqRequest, StartRequest,
                                WorkerInfo, worker_main)
 
 SSDEvent = StartEvent | TokenEvent | RoundEvent | SSDRoundEvent | WorkerEvent | FinishEvent
 POLL_SECONDS = 0.02
+PREFILL_ROWS = 64  # the prefill row count the full-machine ratio is calibrated at
+CALIBRATION_RUNS = 3
 
 
 class WorkerLost(RuntimeError):
@@ -73,14 +80,16 @@ class SSDEngine:
     """Target here, draft in a worker process on its own device; reusable across generations.
 
     `target_device` / `draft_device` take `cpu:N`, `cpu:N-M` or `cuda:N` (default: the draft gets
-    the last core, the target the others). The worker rebuilds the drafter from the registry pair
+    the last core, the target the others). `fill_to_verify` sizes each round's cache fill to the
+    verification it overlaps (engine.ssd.fill_budget); False fills every branch to depth K as the
+    released engine does, however long that takes. The worker rebuilds the drafter from the registry pair
     name, so SSD runs on registry pairs (`tiny`, `default`).
     """
 
     def __init__(self, pair: ModelPair, *, drafter_kind: str = "model", backend: str = "auto",
                  weight_dtype: str = DEFAULT_FAST_WEIGHTS, target_device: str | DeviceSpec | None = None,
                  draft_device: str | DeviceSpec | None = None, reply_timeout: float = 120.0,
-                 start_timeout: float = 300.0) -> None:
+                 start_timeout: float = 300.0, fill_to_verify: bool = True) -> None:
         if pair.name not in ("tiny", "default"):
             raise ValueError(f"SSD runs on the registry pairs 'tiny' and 'default' (the draft worker loads the pair "
                              f"by name); got {pair.name!r}")
@@ -93,11 +102,13 @@ class SSDEngine:
         self.spec = DrafterSpec(pair.name, drafter_kind, backend, weight_dtype)
         self.backend, self.weight_dtype = backend, weight_dtype
         self.reply_timeout, self.start_timeout = reply_timeout, start_timeout
+        self.fill_to_verify = fill_to_verify
         self.info: WorkerInfo | None = None
         self._process: mp.process.BaseProcess | None = None
         self._conn = None
         self._targets: list[CausalLM] = []
         self._generation = 0
+        self._calibration: dict[int, float] = {}  # target rows -> forward time on every core / pinned
         self._lock = threading.Lock()  # one generation at a time per engine (one worker)
 
     # -- worker lifecycle ------------------------------------------------------------------------
@@ -214,6 +225,7 @@ class SSDEngine:
         if not self._lock.acquire(blocking=False):
             raise ValueError("this SSD engine is already generating; one generation at a time per draft worker")
         try:
+            self.calibrate(cfg.num_speculative_tokens + 1)
             with pinned(self.target_device):
                 yield from self._generate([list(p) for p in prompts], config, cfg, eos_token_ids, stop)
         finally:
@@ -252,29 +264,29 @@ class SSDEngine:
         yield StartEvent(sum(map(len, prompts)), prefill_seconds, first_target.name,
                          self.info.drafter if self.info else self.spec.kind, first_target.backend_label, self.devices())
 
-        planner, ssd = FanoutPlanner(), SSDMetrics()
-        previous, round_index = cfg, 0
+        planner, ssd, trace = FanoutPlanner(), SSDMetrics(), ProjectionTrace(prefill_seconds)
+        trace.prefill_full = prefill_seconds * self._full_machine_ratio(PREFILL_ROWS)
+        previous, round_index, sent = cfg, 0, None
+        if worker_ok:
+            worker_ok, sent, events = self._ask(rows, cfg, planner, ssd)
+            yield from events
         while any(r.finished is None for r in rows):
             if stop is not None and stop.is_set():
                 for r in rows:
                     r.finished = r.finished or "stopped"
                 break
             round_start = time.perf_counter()
-            cfg = config.snapshot()
-            if cfg.method == "ar":
-                raise ValueError("SSD cannot switch to 'ar' mid-generation; pick sps, tas or cactus")
+            if sent is not None:  # the settings the worker drafted this round's speculations with
+                cfg, fanouts, backup = sent
+            else:
+                cfg = self._snapshot(config)
+                fanouts, backup = (), "sync"
             k = cfg.num_speculative_tokens
-            fanouts = tuple(planner.plan(cfg.ssd_fanout_mode, cfg.ssd_cache_budget, k, cfg.ssd_power_r))
-            active = [r for r in rows if r.finished is None]
-            backup = resolve_backup(cfg.ssd_backup, len(active), ssd.rates())
             spans: list[TimelineSpan] = []
             reply, builds, wait_seconds = None, [], 0.0
             if worker_ok:
                 try:
                     wait_start = time.perf_counter()
-                    self._send(RoundRequest(k, cfg.sampling, fanouts, float(cfg.downweight_c), backup,
-                                            self.pair.vocab_size,
-                                            [self._request(r) if r.finished is None else None for r in rows]))
                     reply = self._receive(RoundReply, self.reply_timeout, builds)
                     wait_seconds = time.perf_counter() - wait_start
                     spans.append(TimelineSpan("wait", "waiting for the draft", wait_start - start,
@@ -285,47 +297,73 @@ class SSDEngine:
                     yield WorkerEvent("degraded", f"{err}; finishing with synchronous drafting in the target process",
                                       self.devices())
                     self._degrade(rows)
+            fill_seconds, budget_used, fill_depth, fill_cut, window = 0.0, 0, 0, False, None
             for b in builds:
-                spans.append(TimelineSpan("draft", f"cache fill ({b.branches} branches)", b.interval[0] - start,
-                                          b.interval[1] - start))
+                spans.append(TimelineSpan("draft", f"cache fill ({b.branches} branches, depth {b.depth})",
+                                          b.interval[0] - start, b.interval[1] - start))
                 ssd.add_fill(b.interval[1] - b.interval[0])
+                fill_seconds += b.interval[1] - b.interval[0]
+                budget_used, fill_depth, fill_cut, window = b.branches, b.depth, b.cut, b.window
 
-            hits, sources, lookup_keys, cache_keys, emitted, searched, seq_ids = [], [], [], [], [], (), []
-            verify_seconds, events = 0.0, []
+            verified: list[tuple[int, _Row, _Verified, str, Key | None, SeqReply | None]] = []
+            verify_seconds = verify_full = 0.0
             for i, row in enumerate(rows):
                 if row.finished is not None:
                     continue
                 item = reply.items[i] if reply is not None else None
-                looked_up = item is not None and row.outcome is not None and bool(item.cache_keys)
+                # Every round after a sequence's first is a lookup; a fill cut to nothing is a miss.
+                looked_up = item is not None and row.outcome is not None
                 if item is not None:
-                    probs = (torch.from_numpy(item.probs) if item.probs is not None
+                    probs = (item.probs.unpack() if item.probs is not None
                              else _point_masses(item.tokens, self.pair.vocab_size))
                     proposal, source = Proposal(list(item.tokens), probs), item.source
                     if looked_up:
                         planner.observe_lookup(_fanout_at(item.cache_fanouts, row.outcome[0], row.served_length),
                                                source == "cache")
                     row.served_length = len(item.tokens)
-                    searched = searched or tuple(item.cache_fanouts)
                 else:
                     proposal, source = None, "sync"
-                lookup_keys.append(row.outcome if looked_up else None)
-                cache_keys.append(tuple(item.cache_keys) if item is not None else ())
-                verify_before = row.target.forward_seconds
+                before = row.target.forward_seconds
                 # The draft time on the critical path is the wait for the reply (charged to the first row).
-                events += self._round(row, i, cfg, previous, proposal, wait_seconds, round_index, round_start, start,
-                                      eos, spans)
-                wait_seconds = 0.0
-                verify_seconds += row.target.forward_seconds - verify_before
-                last = events[-1]
-                planner.observe_round(last.num_accepted, last.num_draft_tokens)
-                ssd.add_row(source, looked_up, last.num_emitted)
+                lookup = row.outcome if looked_up else None
+                v = self._verify(row, cfg, proposal, wait_seconds if not verified else 0.0, start, i, spans, eos)
+                seconds = row.target.forward_seconds - before
+                verify_seconds += seconds
+                verify_full += seconds * self._full_machine_ratio(v.rows)
+                planner.observe_round(v.num_accepted, len(v.proposal.tokens))
+                verified.append((i, row, v, source, lookup, item))
+            # The outcome is known: ask for the next speculation now, so that the worker serves it
+            # while this process turns the round into events.
+            asked_at, next_sent = time.perf_counter(), None
+            if worker_ok and any(r.finished is None for r in rows):
+                worker_ok, next_sent, events = self._ask(rows, config, planner, ssd)
+                if not worker_ok:
+                    self._degrade(rows)
+                yield from events
+
+            hits, sources, lookup_keys, cache_keys, key_texts, emitted, seq_ids, events = [], [], [], [], [], [], [], []
+            searched, depth, kept = (), 0, []
+            for i, row, v, source, lookup, item in verified:
+                events += self._events(row, i, cfg, previous, v, round_index, round_start, start)
+                ssd.add_row(source, lookup is not None, v.num_emitted)
                 hits.append(source == "cache")
                 seq_ids.append(i)
                 sources.append(source)
-                emitted.append(last.num_emitted)
+                emitted.append(v.num_emitted)
+                lookup_keys.append(lookup)
+                keys = tuple(item.cache_keys) if item is not None else ()
+                cache_keys.append(keys)
+                key_texts.append(tuple(self.pair.tokenizer.decode([y]) for _, y in keys))
+                if item is not None:
+                    searched, depth = searched or tuple(item.cache_fanouts), max(depth, item.cache_depth)
+                    kept.append(item.first_kept)
             missed = reply is not None and any(s != "cache" for s in sources)
-            ssd.add_round(verify_seconds, time.perf_counter() - round_start,
-                          reply.serve[1] - reply.serve[0] if missed else None)
+            serve = reply.serve[1] - reply.serve[0] if reply is not None else 0.0
+            ssd.add_round(verify_seconds, time.perf_counter() - round_start, serve if missed else None)
+            trace.rounds.append(RoundTiming(
+                emitted=sum(emitted), verify=verify_seconds, verify_full=verify_full,
+                loop=max(asked_at - round_start - wait_seconds - verify_seconds, 0.0), serve=serve,
+                message=max(wait_seconds - serve, 0.0), fill=fill_seconds))
             yield from events
             yield SSDRoundEvent(
                 round_index=round_index, sequences=tuple(seq_ids), hits=tuple(hits), sources=tuple(sources),
@@ -333,16 +371,72 @@ class SSDEngine:
                 num_emitted=tuple(emitted), timeline=tuple(spans), hit_rate=ssd.rates()["p_hit"],
                 theoretical_speedup=ssd.theoretical_speedup(), measured_speedup=ssd.measured_speedup(),
                 rates=ssd.rates() | {"acceptance": planner.acceptance, "power_r": planner.power_r(cfg.ssd_power_r),
-                                     "next_fanouts": fanouts, "backup": backup},
+                                     "next_fanouts": next_sent[1] if next_sent else (), "backup": backup},
+                backup=backup, cache_key_texts=tuple(key_texts), budget_requested=cfg.ssd_cache_budget,
+                budget_used=sum(searched), cache_depth=depth, first_kept=tuple(kept),
+                next_fill=(budget_used, fill_depth, fill_cut), fill_window_seconds=window,
+                projected_tokens_per_s=trace.tokens_per_s(True), model_tokens_per_s=trace.tokens_per_s(False),
             )
-            previous = cfg
+            previous, sent = cfg, next_sent
             round_index += 1
 
         elapsed = time.perf_counter() - start
-        summary = ssd.summary() | {"devices": self.devices(), "batch_size": len(rows), "worker_alive": worker_ok}
+        summary = (ssd.summary() | trace.summary()
+                   | {"devices": self.devices(), "batch_size": len(rows), "worker_alive": worker_ok})
         for i, row in enumerate(rows):
             yield FinishEvent(row.finished or "max_new_tokens", row.detok.text(), tuple(row.generated),
                               row.metrics.summary(elapsed, prefill_seconds) | summary, sequence=i)
+
+    @staticmethod
+    def _snapshot(config: SpecConfig) -> SpecConfig:
+        cfg = config.snapshot()
+        if cfg.method == "ar":
+            raise ValueError("SSD cannot switch to 'ar' mid-generation; pick sps, tas or cactus")
+        return cfg
+
+    def _ask(self, rows: list[_Row], config: SpecConfig, planner: FanoutPlanner, ssd: SSDMetrics
+             ) -> tuple[bool, tuple[SpecConfig, tuple[int, ...], str] | None, list[WorkerEvent]]:
+        """Send the next round's request (the settings are read here, once per round)."""
+        cfg = self._snapshot(config)
+        k = cfg.num_speculative_tokens
+        fanouts = tuple(planner.plan(cfg.ssd_fanout_mode, cfg.ssd_cache_budget, k, cfg.ssd_power_r))
+        active = [r for r in rows if r.finished is None]
+        backup = resolve_backup(cfg.ssd_backup, len(active), ssd.rates())
+        items = [self._request(r) if r.finished is None else None for r in rows]
+        try:
+            self._send(RoundRequest(k, cfg.sampling, fanouts, float(cfg.downweight_c), backup, self.pair.vocab_size,
+                                    items, time.perf_counter(), self.fill_to_verify))
+        except WorkerLost as err:
+            return False, None, [WorkerEvent("degraded", f"{err}; finishing with synchronous drafting in the target "
+                                             "process", self.devices())]
+        return True, (cfg, fanouts, backup), []
+
+    def _full_machine_ratio(self, rows: int) -> float:
+        """Target forward time on all of this process's cores / on the target's own (measured once per row count)."""
+        known = [n for n in self._calibration if n <= rows]
+        return self._calibration[max(known)] if known else 1.0
+
+    def calibrate(self, max_rows: int) -> None:
+        """Time the target's forward of 1..max_rows rows (and a prefill) pinned and on every core, side by side."""
+        wanted = [n for n in (*range(1, max_rows + 1), PREFILL_ROWS) if n not in self._calibration]
+        if not wanted:
+            return
+        target = self._make_targets(1)[0]
+        prompt = [int(t) % self.pair.vocab_size for t in range(1, PREFILL_ROWS + 1)]
+        for n in wanted:
+            times = {}
+            for where in ("pinned", "full"):
+                with (pinned(self.target_device) if where == "pinned" else contextlib.nullcontext()):
+                    runs = []
+                    for _ in range(CALIBRATION_RUNS + 1):  # the first run warms the thread pool up, untimed
+                        target.reset()
+                        target.forward(prompt[:8])
+                        started = time.perf_counter()
+                        target.forward(prompt[:n])
+                        runs.append(time.perf_counter() - started)
+                    times[where] = statistics.median(runs[1:])
+            self._calibration[n] = times["full"] / times["pinned"]
+        target.reset()
 
     def _request(self, row: _Row) -> SeqRequest:
         hidden_start, hidden = 0, None
@@ -365,10 +459,9 @@ class SSDEngine:
                     for start, hidden in row.hidden:
                         row.local_drafter.observe_target(start, hidden)
 
-    def _round(self, row: _Row, sequence: int, cfg: SpecConfig, previous: SpecConfig, proposal: Proposal | None,
-               wait_seconds: float, round_index: int, round_start: float, start: float, eos: frozenset[int],
-               spans: list[TimelineSpan]) -> list[TokenEvent | RoundEvent]:
-        """Verify one sequence's speculation with the target (the same round as engine.decoding)."""
+    def _verify(self, row: _Row, cfg: SpecConfig, proposal: Proposal | None, wait_seconds: float, start: float,
+                sequence: int, spans: list[TimelineSpan], eos: frozenset[int]) -> _Verified:
+        """Verify one sequence's speculation with the target and commit the outcome (the events come later)."""
         params = cfg.sampling
         remaining = cfg.max_new_tokens - len(row.generated)
         k = min(cfg.num_speculative_tokens, remaining - 1)
@@ -380,7 +473,6 @@ class SSDEngine:
                 proposal = row.local_drafter.propose(row.context, k, params, torch.rand(k, generator=row.generator))
         proposal = Proposal(proposal.tokens[:max(k, 0)], proposal.probs[:max(k, 0)])
         draft_seconds = wait_seconds + time.perf_counter() - draft_before
-        k = len(proposal.tokens)
 
         verify_start = time.perf_counter()
         fed_from = row.target.length
@@ -407,32 +499,60 @@ class SSDEngine:
             if token in eos:
                 new_tokens, row.finished = new_tokens[: j + 1], "eos"
                 break
-        token_events = [replace(e, sequence=sequence) for e in _token_events(
-            cfg, result, target_probs, proposal, new_tokens, num_accepted, len(row.generated), round_index,
-            row.detok, self.pair.tokenizer)]
+        first_index = len(row.generated)
         row.outcome = (num_accepted, new_tokens[-1])
         row.commit.extend(new_tokens)
         row.context.extend(new_tokens)
         row.generated.extend(new_tokens)
         if row.finished is None and len(row.generated) >= cfg.max_new_tokens:
             row.finished = "max_new_tokens"
-        rejected = proposal.tokens[num_accepted] if num_accepted < k else None
+        return _Verified(target_probs, proposal, result, num_accepted, new_tokens, first_index, len(feed),
+                         draft_seconds, verify_end - verify_start, bool(feed))
+
+    def _events(self, row: _Row, sequence: int, cfg: SpecConfig, previous: SpecConfig, v: _Verified,
+                round_index: int, round_start: float, start: float) -> list[TokenEvent | RoundEvent]:
+        """The round's token events and RoundEvent (the same round as engine.decoding)."""
+        k, num_accepted, new_tokens = len(v.proposal.tokens), v.num_accepted, v.new_tokens
+        token_events = [replace(e, sequence=sequence) for e in _token_events(
+            cfg, v.result, v.target_probs, v.proposal, new_tokens, num_accepted, v.first_index, round_index,
+            row.detok, self.pair.tokenizer)]
+        rejected = v.proposal.tokens[num_accepted] if num_accepted < k else None
         counted = min(k, len(new_tokens)) if row.finished == "eos" and len(new_tokens) <= num_accepted else k
         event = RoundEvent(
             round_index=round_index, method=cfg.method, num_speculative_tokens=cfg.num_speculative_tokens,
-            num_draft_tokens=counted, draft_token_ids=tuple(proposal.tokens[:counted]),
+            num_draft_tokens=counted, draft_token_ids=tuple(v.proposal.tokens[:counted]),
             num_accepted=min(num_accepted, counted), num_emitted=len(new_tokens),
-            accepted_positions=tuple(bool(a) for a in result.accepted[0, :counted].tolist()),
+            accepted_positions=tuple(bool(a) for a in v.result.accepted[0, :counted].tolist()),
             rejected_token_id=rejected,
             rejected_text=None if rejected is None else self.pair.tokenizer.decode([rejected]),
-            kl=sum(e.kl for e in token_events), draft_seconds=draft_seconds,
-            verify_seconds=verify_end - verify_start, target_forwards=int(bool(feed)),
+            kl=sum(e.kl for e in token_events), draft_seconds=v.draft_seconds,
+            verify_seconds=v.verify_seconds, target_forwards=int(v.fed),
             round_seconds=time.perf_counter() - round_start, elapsed_seconds=time.perf_counter() - start,
             config=cfg.as_dict(), config_changes=cfg.changed_fields(previous) if round_index else (),
             sequence=sequence,
         )
         row.metrics.add_round(event)
         return token_events + [event]
+
+
+@dataclass
+class _Verified:
+    """One sequence's verified round, kept until its events are built (after the next request is sent)."""
+
+    target_probs: torch.Tensor
+    proposal: Proposal
+    result: VerifyResult
+    num_accepted: int
+    new_tokens: list[int]
+    first_index: int  # index of the round's first new token in the generation
+    rows: int  # tokens the target verified (its forward's row count)
+    draft_seconds: float
+    verify_seconds: float
+    fed: bool
+
+    @property
+    def num_emitted(self) -> int:
+        return len(self.new_tokens)
 
 
 def _point_masses(tokens: Sequence[int], vocab: int) -> torch.Tensor:

@@ -10,26 +10,40 @@ pools can deadlock). Only tokens and small arrays cross it, never KV caches:
     main -> worker   None              exit
 
 The worker replies first and fills the caches afterwards, so the fill overlaps the target's
-verification of the speculation it just served (the whole point of SSD).
+verification of the speculation it just served (the whole point of SSD). The fill is sized to the
+time between its reply and the next request, measured online (`fill_budget`), and it stops as
+soon as the next request is waiting: a round never waits for the cache, only for a backup.
+
+A feature draft (EAGLE-style) drafts the cache's branches before the target has computed the
+feature of the token they fork from (the verification running at that moment computes it), so a
+cached first token is drawn from D~, the draft fed its own predicted feature, while a synchronous
+draft draws from D, fed the real one. On a hit the worker therefore redrafts the first token from
+the real features it has just received and couples the two draws (the speculative-sampling
+coupling, draft against draft): keep the cached x~ with probability min(1, D(x~)/D~(x~)), else draw
+from norm(max(D - D~, 0)) and serve that one token. The served first token is then an exact draw
+from D, as good as a synchronous draft's, at the cost of one draft step instead of K; the later
+cached tokens are kept only with the first (they were drawn given it) and carry their own D~.
 """
 
 from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import numpy as np
 import torch
 
-from engine.drafters import Drafter
+from engine.drafters import Drafter, Proposal
 from engine.models.registry import DEFAULT_FAST_WEIGHTS
 from engine.sampling import SamplingParams
 from engine.ssd.backups import fast_backup, ngram_backup
 from engine.ssd.devices import DeviceSpec, pin
+from engine.ssd.fill_budget import MARGIN, FillPlan, FillSizer
 from engine.ssd.saguaro import saguaro_shape
-from engine.ssd.speculation_cache import Key, SpeculationCache, fork_keys
+from engine.ssd.speculation_cache import Key, SpeculationCache, couple_first_token, fork_keys
 
 
 @dataclass(frozen=True)
@@ -74,15 +88,40 @@ class RoundRequest:
     backup: str  # neural | fast | ngram (adaptive is resolved by the main process)
     vocab_size: int
     items: list[SeqRequest | None]  # None: the sequence finished
+    sent_at: float = 0.0  # perf_counter when the main process sent it (one clock for both processes)
+    fill_to_verify: bool = True  # size the fill to the measured window (False: the released engine's full fill)
+
+
+@dataclass(frozen=True)
+class SparseRows:
+    """Probability rows [n, V] as their nonzero entries: after top-k / top-p a draft row keeps a few
+    dozen tokens, so this crosses the pipe instead of n x 49k floats."""
+
+    ids: np.ndarray  # int32 [n, m], padded with id 0 and probability 0
+    values: np.ndarray  # float32 [n, m]
+    vocab_size: int
+
+    @staticmethod
+    def pack(probs: torch.Tensor) -> "SparseRows":
+        probs = probs.float()
+        width = max(int((probs > 0).sum(-1).max()), 1) if probs.numel() else 1
+        values, ids = torch.topk(probs, min(width, probs.shape[-1]), dim=-1)
+        return SparseRows(ids.int().numpy(), values.numpy(), probs.shape[-1])
+
+    def unpack(self) -> torch.Tensor:
+        ids, values = torch.from_numpy(self.ids).long(), torch.from_numpy(self.values)
+        return torch.zeros(ids.shape[0], self.vocab_size).scatter_add_(1, ids, values)
 
 
 @dataclass(frozen=True)
 class SeqReply:
     tokens: list[int]
-    probs: np.ndarray | None  # float32 [n, V] D' the tokens were drawn from; None = point masses
+    probs: SparseRows | None  # D' [n, V] the tokens were drawn from; None = point masses
     source: str  # cache | neural | fast | ngram
     cache_keys: tuple[Key, ...]  # the cache the lookup searched
-    cache_fanouts: tuple[int, ...]
+    cache_fanouts: tuple[int, ...]  # the fan-out that cache was actually filled with (sum: the budget used)
+    cache_depth: int = 0  # tokens per branch that cache reached (below K when the fill was cut)
+    first_kept: bool | None = None  # feature-draft hit: whether the cached first token survived the redraft
 
 
 @dataclass(frozen=True)
@@ -97,6 +136,10 @@ class BuildReport:
     generation: int
     interval: tuple[float, float]  # perf_counter interval of the cache fill (glue + tree decode)
     branches: int
+    budget_requested: int = 0  # Σ F_k the round asked for, over the batch
+    depth: int = 0  # tokens per branch reached (the smallest over the batch)
+    cut: bool = False  # the fill stopped early: the next request was due
+    window: float | None = None  # the worker's running estimate of the time it has per round
 
 
 @dataclass
@@ -143,6 +186,8 @@ def _serve(spec: DrafterSpec, device: DeviceSpec, first: Drafter, conn: Connecti
     drafters = [first]
     seqs: list[_Sequence] = []
     generation = -1
+    sizer = FillSizer()  # per worker: the draft device's costs outlive a generation
+    replied: float | None = None
     while True:
         msg = conn.recv()
         if msg is None:
@@ -150,44 +195,113 @@ def _serve(spec: DrafterSpec, device: DeviceSpec, first: Drafter, conn: Connecti
         if isinstance(msg, StartRequest):
             while len(drafters) < len(msg.prompts):
                 drafters.append(_build_drafter(spec, device))
-            seqs, generation = [], msg.generation
+            seqs, generation, replied = [], msg.generation, None
             for i, _ in enumerate(msg.prompts):
                 drafters[i].start()
                 seqs.append(_Sequence(drafters[i], torch.Generator().manual_seed(msg.seed + 7919 * i)))
             continue
+        if replied is not None and msg.sent_at > replied:
+            sizer.observe_window(msg.sent_at - replied)
         start = time.perf_counter()
-        replies = [None if item is None else _serve_one(seq, item, msg) for seq, item in zip(seqs, msg.items)]
+        replies = [None if item is None else _serve_one(seq, item, msg, sizer) for seq, item in zip(seqs, msg.items)]
         conn.send(RoundReply(generation, replies, (start, time.perf_counter())))
-        start = time.perf_counter()
-        branches = sum(_fill(seq, msg) for seq, item in zip(seqs, msg.items) if item is not None)
-        conn.send(BuildReport(generation, (start, time.perf_counter()), branches))
+        replied = start = time.perf_counter()
+        active = [seq for seq, item in zip(seqs, msg.items) if item is not None]
+        if msg.fill_to_verify:
+            plan, deadline = sizer.plan(msg.fanouts, len(active)), replied + MARGIN * (sizer.window or float("inf"))
+            stop = _stop(conn, sizer, deadline)
+        else:
+            plan, stop = FillPlan(tuple(msg.fanouts), msg.k), _never
+        built = [_fill(seq, msg, plan, sizer, stop) for seq in active]
+        depth = min((d for _, d, _ in built), default=0)
+        conn.send(BuildReport(generation, (start, time.perf_counter()), sum(b for b, _, _ in built),
+                              sum(msg.fanouts) * len(active), depth, any(c for _, _, c in built), sizer.window))
 
 
-def _serve_one(seq: _Sequence, item: SeqRequest, msg: RoundRequest) -> SeqReply:
-    """Cache lookup for the verified outcome; a backup speculation on a miss."""
+class _StepClock:
+    """The tree pass's `stop`, called before every step: the time between two calls is one step."""
+
+    def __init__(self, stop: Callable[[int], bool], sizer: FillSizer, branches: int) -> None:
+        self.stop, self.sizer, self.branches = stop, sizer, branches
+        self.calls, self.last = 0, time.perf_counter()
+
+    def __call__(self) -> bool:
+        now = time.perf_counter()
+        if self.calls:
+            self.sizer.observe_step(self.branches, now - self.last)
+        self.calls, self.last = self.calls + 1, now
+        return self.stop(self.branches)
+
+
+def _stop(conn: Connection, sizer: FillSizer, deadline: float) -> Callable[[int], bool]:
+    """The fill's `stop`: the next request is waiting, or the next step would end after it is due."""
+    def stop(branches: int) -> bool:
+        if conn.poll():
+            return True
+        step = sizer.step_seconds(branches)
+        return step is not None and time.perf_counter() + step > deadline
+    return stop
+
+
+def _never(branches: int) -> bool:
+    """The unsized fill (the released engine's): every branch to depth K, however long it takes."""
+    return False
+
+
+def _serve_one(seq: _Sequence, item: SeqRequest, msg: RoundRequest, sizer: FillSizer) -> SeqReply:
+    """Cache lookup for the verified outcome (first token redrafted for a feature draft); a backup on a miss."""
     if item.hidden is not None:
         seq.drafter.observe_target(item.hidden_start, torch.from_numpy(item.hidden).float())
     seq.context.extend(item.commit)
     cache = seq.cache
     hit = cache.lookup(item.outcome, msg.k) if cache is not None and item.outcome is not None else None
-    if hit is not None:
+    kept = None
+    if hit is not None and hit.tokens:
+        if seq.drafter.needs_target_features:
+            hit, kept = _redraft_first(seq, hit, msg, sizer)
         tokens, probs, source = hit.tokens, hit.probs, "cache"
     else:
-        tokens, probs = _backup(seq, msg)
+        tokens, probs = _backup(seq, msg, sizer)
         source = msg.backup
     seq.speculation = list(tokens)
     point_mass = probs is None or msg.params.greedy
-    return SeqReply(list(tokens), None if point_mass else probs.float().numpy(), source,
-                    cache.keys() if cache else (), cache.fanouts if cache else ())
+    return SeqReply(list(tokens), None if point_mass else SparseRows.pack(probs), source,
+                    cache.keys() if cache else (), cache.fanouts if cache else (), cache.depth if cache else 0, kept)
 
 
-def _backup(seq: _Sequence, msg: RoundRequest) -> tuple[list[int], torch.Tensor | None]:
+def _redraft_first(seq: _Sequence, hit: Proposal, msg: RoundRequest, sizer: FillSizer) -> tuple[Proposal, bool]:
+    """Redraw a feature draft's cached first token from the real features (module docstring)."""
+    fresh = _just_in_time(seq, msg, 1, sizer).probs[0]
+    token, kept = couple_first_token(fresh, hit.probs[0], hit.tokens[0], torch.rand(2, generator=seq.generator))
+    if kept:
+        return Proposal(hit.tokens, torch.cat([fresh[None], hit.probs[1:]])), True
+    return Proposal([token], fresh[None]), False
+
+
+def _just_in_time(seq: _Sequence, msg: RoundRequest, k: int, sizer: FillSizer) -> Proposal:
+    """A draft from the true prefix: the one-branch tree forking at the last committed token.
+
+    Its steps are one-branch tree steps, so they also keep the sizer's step cost current when no
+    fill fits (a fill that never runs would never be measured again)."""
+    uniforms = torch.rand(1, k, generator=seq.generator)
+    shape = saguaro_shape(msg.fanouts, msg.downweight_c)
+    if shape is None:  # the drafter's own synchronous path (a reduced head samples sparsely: cheaper)
+        start = time.perf_counter()
+        jit = seq.drafter.propose(seq.context, k, msg.params, uniforms[0])
+        for _ in range(k):
+            sizer.observe_step(1, (time.perf_counter() - start) / k)
+        return jit
+    clock = _StepClock(_never, sizer, 1)
+    jit = seq.drafter.propose_branches(seq.context[:-1], [], [(0, seq.context[-1])], k, msg.params, uniforms,
+                                       shape, clock)[0]
+    clock()
+    return jit
+
+
+def _backup(seq: _Sequence, msg: RoundRequest, sizer: FillSizer) -> tuple[list[int], torch.Tensor | None]:
     """Tokens and their D' (None: point masses) after a miss."""
     if msg.backup == "neural":
-        # A just-in-time draft is the one-branch tree forking at the last committed token.
-        uniforms = torch.rand(1, msg.k, generator=seq.generator)
-        jit = seq.drafter.propose_branches(seq.context[:-1], [], [(0, seq.context[-1])], msg.k, msg.params,
-                                           uniforms, saguaro_shape(msg.fanouts, msg.downweight_c))[0]
+        jit = _just_in_time(seq, msg, msg.k, sizer)
         return jit.tokens, jit.probs
     if msg.backup == "fast":
         return fast_backup(msg.k, msg.vocab_size, seq.generator), None
@@ -196,12 +310,24 @@ def _backup(seq: _Sequence, msg: RoundRequest) -> tuple[list[int], torch.Tensor 
     raise ValueError(f"unknown backup {msg.backup!r}")
 
 
-def _fill(seq: _Sequence, msg: RoundRequest) -> int:
-    """Glue decode, fork, tree decode (§4.6): the next speculation for every cached outcome."""
+def _fill(seq: _Sequence, msg: RoundRequest, plan: FillPlan, sizer: FillSizer,
+          stop: Callable[[int], bool]) -> tuple[int, int, bool]:
+    """Glue decode, fork, tree decode (§4.6), sized by `plan` and ended by `stop`: (branches, depth, cut)."""
+    seq.cache = None
+    if plan.depth == 0 or stop(1):
+        return 0, 0, True
+    start = time.perf_counter()
     logits = seq.drafter.score(seq.context, seq.speculation)
-    keys = fork_keys(logits, seq.speculation, msg.fanouts)
-    uniforms = torch.rand(len(keys), msg.k, generator=seq.generator)
-    shape = saguaro_shape(msg.fanouts, msg.downweight_c)
-    proposals = seq.drafter.propose_branches(seq.context, seq.speculation, keys, msg.k, msg.params, uniforms, shape)
-    seq.cache = SpeculationCache(dict(zip(keys, proposals)), tuple(msg.fanouts))
-    return len(keys)
+    sizer.observe_glue(time.perf_counter() - start)
+    keys = fork_keys(logits, seq.speculation, plan.fanouts)
+    if not keys:
+        return 0, 0, False
+    uniforms = torch.rand(len(keys), plan.depth, generator=seq.generator)
+    clock = _StepClock(stop, sizer, len(keys))
+    proposals = seq.drafter.propose_branches(seq.context, seq.speculation, keys, plan.depth, msg.params, uniforms,
+                                             saguaro_shape(plan.fanouts, msg.downweight_c), clock)
+    if proposals and len(proposals[0].tokens) == clock.calls:  # the last step ran: time it too
+        clock()
+    seq.cache = SpeculationCache(dict(zip(keys, proposals)), tuple(plan.fanouts)) if proposals else None
+    depth = len(proposals[0].tokens) if proposals else 0
+    return len(proposals), depth, depth < plan.depth or len(proposals) < len(keys)

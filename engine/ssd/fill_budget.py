@@ -1,0 +1,110 @@
+"""A cache fill sized to the verification it hides, from the worker's own online measurements.
+
+Theorem 7 (ALGORITHMS.md §4.2) charges a hit round max(1, T_p) verifications: once the fill takes
+longer than the verification (T_p > 1), every round waits for the draft, which the paper's design
+never intends (§4.6: "glue + fork + tree decode must fit inside one target verification"). The
+released engine fixes the fan-out and K up front; here the worker sizes every round's fill to the
+time it actually has.
+
+What it optimises: the chance that the next outcome has a cached speculation, subject to T_p <= 1.
+A fill is the glue decode (g) then `depth` tree steps over B branches, each step costing
+step(B) = a + b·B (fitted online, least squares over the recent steps). The window W is what the
+worker measures between its reply and the next request (the verification plus the loop's own
+work), split over the batch's sequences. The plan keeps the full depth K and takes the largest
+budget B <= the requested one with g + K·step(B) <= margin·W (the fan-out is the requested plan
+scaled to B, so a geometric plan stays geometric); if no budget fits at depth K it shortens the
+depth; if nothing fits, there is no fill and the next round takes the backup. While filling, the
+worker also stops before any step that would end after the predicted request (or once the request
+is already waiting), so the cache holds the branches as far as they got: a round never waits for
+the cache beyond the verification, only for the backup after a miss.
+
+Why the output stays exact: sizing only changes which outcomes have a cached speculation and how
+many tokens it has. Every served token still carries the distribution it was drawn from, and an
+outcome without a cached speculation is a miss, answered by the backup; both are verified by the
+unchanged rule.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.ssd.fanout import round_to_budget
+
+MARGIN = 0.9  # the fill plans for this share of the measured window (measurement noise)
+SMOOTHING = 0.3  # weight of the newest window / glue measurement in the running estimates
+STEP_HISTORY = 8  # tree steps per branch count the step-cost fit looks back over
+
+
+@dataclass(frozen=True)
+class FillPlan:
+    fanouts: tuple[int, ...]  # F_0..F_K actually used (sum = budget used)
+    depth: int  # tokens drafted per branch (0: no fill this round)
+
+    @property
+    def budget(self) -> int:
+        return sum(self.fanouts) if self.depth else 0
+
+
+class FillSizer:
+    """Online estimates of the window, the glue decode and the tree-step cost; the plan they allow."""
+
+    def __init__(self) -> None:
+        self.window: float | None = None
+        self.glue: float | None = None
+        # Per branch count, so that the backup's one-branch steps never push the fill's sizes out.
+        self._steps: dict[int, deque[float]] = {}
+        self._warm: set[int] = set()
+        self._glues = 0
+
+    def observe_window(self, seconds: float) -> None:
+        self.window = seconds if self.window is None else (1 - SMOOTHING) * self.window + SMOOTHING * seconds
+
+    def observe_glue(self, seconds: float) -> None:
+        """A glue decode's cost; the first one warms the draft up and is skipped (unless it is all there is)."""
+        if self.glue is None or self._glues == 1:
+            self.glue = seconds
+        else:
+            self.glue = (1 - SMOOTHING) * self.glue + SMOOTHING * seconds
+        self._glues += 1
+
+    def observe_step(self, branches: int, seconds: float) -> None:
+        """One tree step's cost; the first step of each branch count warms its kernels up and is skipped."""
+        if branches in self._warm:
+            self._steps.setdefault(branches, deque(maxlen=STEP_HISTORY)).append(seconds)
+        self._warm.add(branches)
+
+    def step_seconds(self, branches: int) -> float | None:
+        """Predicted cost of one tree step over `branches` branches (None before any was measured)."""
+        points = [(n, t) for n, ts in self._steps.items() for t in ts]
+        if not points:
+            return None
+        mean_n = sum(n for n, _ in points) / len(points)
+        mean_t = sum(t for _, t in points) / len(points)
+        spread = sum((n - mean_n) ** 2 for n, _ in points)
+        if spread == 0:  # one branch count seen so far: flat below it, proportional above (cautious)
+            return mean_t * max(1.0, branches / mean_n)
+        slope = max(0.0, sum((n - mean_n) * (t - mean_t) for n, t in points) / spread)
+        return max(mean_t + slope * (branches - mean_n), min(t for _, t in points))
+
+    def fill_seconds(self, branches: int, depth: int) -> float | None:
+        step = self.step_seconds(branches)
+        if step is None or self.glue is None:
+            return None
+        return self.glue + depth * step
+
+    def plan(self, fanouts: Sequence[int], sequences: int = 1) -> FillPlan:
+        """The requested F_0..F_K, cut to what fits one sequence's share of the window."""
+        k, requested = len(fanouts) - 1, sum(fanouts)
+        if self.window is None or requested == 0:  # nothing measured yet: the first fill measures
+            return FillPlan(tuple(fanouts), k if requested else 0)
+        share = MARGIN * self.window / max(sequences, 1)
+        for depth in range(k, 0, -1):
+            for budget in range(requested, 0, -1):
+                cost = self.fill_seconds(budget, depth)
+                if cost is None:
+                    return FillPlan(tuple(fanouts), k)
+                if cost <= share:
+                    return FillPlan(tuple(round_to_budget(list(fanouts), budget)), depth)
+        return FillPlan(tuple(0 for _ in fanouts), 0)
