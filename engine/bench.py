@@ -15,6 +15,7 @@ side in the same repeats, and each row's `speedup_vs_ar` is against AR in its ow
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -36,6 +37,7 @@ from engine.models.embedded import gguf_path
 from engine.models.fast_llama import WEIGHT_DTYPES
 from engine.models.registry import BACKENDS, DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS, GENERIC_K, PAIRS, ModelPair, load_pair
 from engine.prompts import held_out_prompts
+from engine.ssd.devices import parse_device, parse_devices, pinned
 from engine.sampling import REPORTED_SAMPLING
 
 PEER_METHODS = ("hf-ar", "hf-assisted", "llama.cpp")
@@ -45,6 +47,8 @@ SUM_KEYS = ("new_tokens", "num_rounds", "target_forwards", "num_drafts", "num_dr
             "kl_total", "elapsed_seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "overhead_seconds")
 TIMED_KEYS = ("tokens_per_s", "decode_tokens_per_s", "overhead_fraction", "draft_ms_per_token",
               "verify_ms_per_round")
+SSD_KEYS = ("cache_hit_rate", "theoretical_speedup", "measured_speedup", "projected_tokens_per_s", "model_tokens_per_s",
+            "mean_budget_used", "mean_budget_requested", "mean_cache_depth")
 
 
 def run_engine(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: SpecConfig, drafter: str,
@@ -100,6 +104,8 @@ def run_ssd(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: Spe
     totals = dict.fromkeys(SUM_KEYS, 0.0)
     hits = lookups = 0
     theory, measured = [], []
+    projected = {"projected_tokens_per_s": 0.0, "model_tokens_per_s": 0.0}  # Σ seconds each model gives
+    fill = {"mean_budget_used": 0.0, "mean_budget_requested": 0.0, "mean_cache_depth": 0.0}
     eos = frozenset() if ignore_eos else pair.eos_token_ids
     for start in range(0, len(prompts), batch_size):
         run_cfg = replace(cfg, method=rule, seed=cfg.seed + start)
@@ -113,10 +119,19 @@ def run_ssd(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: Spe
         hits, lookups = hits + m["cache_hits"], lookups + m["cache_lookups"]
         theory += [m["theoretical_speedup"]] if m["theoretical_speedup"] is not None else []
         measured += [m["measured_speedup"]] if m["measured_speedup"] is not None else []
+        batch_tokens = sum(f.metrics["new_tokens"] for f in finishes)
+        for name in projected:
+            projected[name] += batch_tokens / m[name] if m[name] else 0.0
+        for name in fill:
+            fill[name] += m[name] * m["cache_lookups"]
     row = _derive(totals, engine.devices()) | {"backend": f"{engine.info.backend if engine.info else backend}"}
-    return row | {"cache_hit_rate": hits / lookups if lookups else None, "batch_size": batch_size, "ssd_rule": rule,
-                  "theoretical_speedup": statistics.mean(theory) if theory else None,
-                  "measured_speedup": statistics.mean(measured) if measured else None}
+    # A projection, never a measurement: this run's trace with the target at its full-machine speed
+    # (engine.ssd.projection); model_tokens_per_s is the same model at the measured speed, its check.
+    rates = {name: totals["new_tokens"] / seconds if seconds else None for name, seconds in projected.items()}
+    return row | rates | {name: value / lookups if lookups else None for name, value in fill.items()} | {
+        "cache_hit_rate": hits / lookups if lookups else None, "batch_size": batch_size, "ssd_rule": rule,
+        "theoretical_speedup": statistics.mean(theory) if theory else None,
+        "measured_speedup": statistics.mean(measured) if measured else None}
 
 
 def close_ssd_engines() -> None:
@@ -270,6 +285,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ssd = ap.add_argument_group("SSD (method ssd)")
     ssd.add_argument("--devices", default="", help="target=<dev>,draft=<dev> with dev cpu:N, cpu:N-M or cuda:N "
                      "(default: the draft gets the last core, the target the others)")
+    ssd.add_argument("--sync-device", default="", help="cpu:N or cpu:N-M: pin the synchronous rows (ar, sps, tas, "
+                     "cactus) to these cores, one thread each, e.g. SpS on the SSD target's own core")
     ssd.add_argument("--ssd-rule", default="sps", choices=("sps", "tas", "cactus"), help="acceptance rule inside SSD")
     ssd.add_argument("--fanout", type=int, default=3, help="uniform fan-out F per position")
     ssd.add_argument("--fanout-mode", default="uniform", choices=SSD_FANOUT_MODES)
@@ -311,9 +328,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         for k in args.k or [GENERIC_K]:
             replace(cfg, num_speculative_tokens=k).validate()
         if SSD_METHOD in methods and args.devices:
-            from engine.ssd.devices import parse_devices
-
             parse_devices(args.devices)
+        sync_device = parse_device(args.sync_device) if args.sync_device else None
         pair = load_pair(args.pair, args.target, args.draft)
         prompts = [pair.encode_prompt(p) for p in held_out_prompts(args.prompts)]
     except ValueError as err:
@@ -334,8 +350,9 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
             for (m, k, wd), label in labels.items():
                 runner = run_ssd if m == SSD_METHOD else PEER_RUNNERS.get(m, run_engine)
                 extra = ssd_args if m == SSD_METHOD else {}
-                runs[m, k, wd].append(runner(pair, m, prompts, replace(cfg, num_speculative_tokens=k), args.drafter,
-                                             args.ignore_eos, args.backend, wd, **extra))
+                with pinned(sync_device) if sync_device and m != SSD_METHOD else contextlib.nullcontext():
+                    runs[m, k, wd].append(runner(pair, m, prompts, replace(cfg, num_speculative_tokens=k),
+                                                 args.drafter, args.ignore_eos, args.backend, wd, **extra))
                 tps = runs[m, k, wd][-1]["tokens_per_s"]
                 print(f"[bench] repeat {rep + 1}/{args.repeats} {label}: {tps:.2f} tok/s", file=sys.stderr, flush=True)
     except ValueError as err:
@@ -346,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     rows = []
     for (m, k, wd), reps in runs.items():
         row = dict(reps[0])
-        for key in TIMED_KEYS + (("cache_hit_rate", "theoretical_speedup", "measured_speedup") if m == SSD_METHOD else ()):
+        for key in TIMED_KEYS + (SSD_KEYS if m == SSD_METHOD else ()):
             values = [r[key] for r in reps if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
         row.update(label=labels[m, k, wd], method=m, weight_dtype=None if m in PEER_METHODS else wd, pair=pair.name,
@@ -373,7 +390,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     table = pd.DataFrame(rows).set_index("label")
     cols = ["tokens_per_s", "speedup_vs_ar", "new_tokens", "mean_acceptance_length", "draft_acceptance_rate",
             "target_forwards_per_token", "mean_kl_per_token", "overhead_fraction", "draft_ms_per_token",
-            "verify_ms_per_round", "cache_hit_rate", "theoretical_speedup", "measured_speedup", "backend", "devices"]
+            "verify_ms_per_round", "cache_hit_rate", "mean_budget_used", "mean_cache_depth", "projected_tokens_per_s",
+            "model_tokens_per_s", "theoretical_speedup", "measured_speedup", "backend", "devices"]
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
         print(table[[c for c in cols if c in table.columns]])
     if args.json:

@@ -265,6 +265,7 @@ class SSDEngine:
                          self.info.drafter if self.info else self.spec.kind, first_target.backend_label, self.devices())
 
         planner, ssd, trace = FanoutPlanner(), SSDMetrics(), ProjectionTrace(prefill_seconds)
+        fills = [0, 0, 0, 0]  # rounds that looked a cache up; Σ budget used, Σ budget requested, Σ depth
         trace.prefill_full = prefill_seconds * self._full_machine_ratio(PREFILL_ROWS)
         previous, round_index, sent = cfg, 0, None
         if worker_ok:
@@ -357,6 +358,8 @@ class SSDEngine:
                 if item is not None:
                     searched, depth = searched or tuple(item.cache_fanouts), max(depth, item.cache_depth)
                     kept.append(item.first_kept)
+            if any(k is not None for k in lookup_keys):
+                fills = [fills[0] + 1, fills[1] + sum(searched), fills[2] + cfg.ssd_cache_budget, fills[3] + depth]
             missed = reply is not None and any(s != "cache" for s in sources)
             serve = reply.serve[1] - reply.serve[0] if reply is not None else 0.0
             ssd.add_round(verify_seconds, time.perf_counter() - round_start, serve if missed else None)
@@ -381,8 +384,11 @@ class SSDEngine:
             round_index += 1
 
         elapsed = time.perf_counter() - start
+        looked = max(fills[0], 1)
         summary = (ssd.summary() | trace.summary()
-                   | {"devices": self.devices(), "batch_size": len(rows), "worker_alive": worker_ok})
+                   | {"devices": self.devices(), "batch_size": len(rows), "worker_alive": worker_ok,
+                      "mean_budget_used": fills[1] / looked, "mean_budget_requested": fills[2] / looked,
+                      "mean_cache_depth": fills[3] / looked})
         for i, row in enumerate(rows):
             yield FinishEvent(row.finished or "max_new_tokens", row.detok.text(), tuple(row.generated),
                               row.metrics.summary(elapsed, prefill_seconds) | summary, sequence=i)
