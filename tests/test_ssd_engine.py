@@ -284,3 +284,20 @@ def test_a_slow_draft_worker_never_makes_a_round_wait_for_its_cache(tiny_pair):
     assert len(rounds) > 10 and len(filled) <= 3 and all(i < 4 for i in filled)  # learning rounds only
     late = rounds[4:]
     assert all(r.sources == ("neural",) and r.next_fill == (0, 0, True) for r in late)
+
+
+def test_bench_ssd_row_reports_the_projection_next_to_its_check_and_the_budget_used(tmp_path):
+    """SpS pinned to the SSD target's own core (--sync-device) against SSD with a draft core added."""
+    import json
+
+    from engine.bench import main
+
+    out = tmp_path / "rows.json"
+    main(["--pair", "tiny", "--methods", "sps,ssd", "--peers", "", "--devices", "target=cpu:0,draft=cpu:1",
+          "--sync-device", "cpu:0", "--prompts", "2", "--repeats", "1", "--max-new-tokens", "12", "--k", "2",
+          "--temperature", "0", "--json", str(out)])
+    rows = {r["method"]: r for r in json.loads(out.read_text())}
+    ssd, sps = rows["ssd"], rows["sps"]
+    assert "(1 threads)" in sps["devices"] and ssd["new_tokens"] == sps["new_tokens"] == 24
+    assert ssd["projected_tokens_per_s"] > 0 and ssd["model_tokens_per_s"] > 0
+    assert 0 <= ssd["mean_budget_used"] <= ssd["mean_budget_requested"] == 9 and ssd["mean_cache_depth"] <= 2
