@@ -75,7 +75,7 @@ def acceptance_per_position(state: RunState) -> go.Figure:
     rounds = [r for r in state.rounds[-MAX_ROUNDS:] if r.num_draft_tokens]
     if not rounds:
         return _empty("Acceptance per draft position", "AR drafts nothing" if state.method == "ar"
-                      else "no drafted rounds yet")
+                      else "how often each draft position survives: deeper positions need every earlier one kept")
     width = max(r.num_draft_tokens for r in rounds)
     drafted = [sum(1 for r in rounds if r.num_draft_tokens > i) for i in range(width)]
     kept = [sum(1 for r in rounds if r.num_accepted > i) for i in range(width)]
@@ -96,7 +96,8 @@ def acceptance_histogram(state: RunState) -> go.Figure:
     """Rounds that accepted exactly j drafts (vLLM `acceptance_histogram`)."""
     rounds = [r for r in state.rounds if r.num_draft_tokens]
     if not rounds:
-        return _empty("Acceptance length", "AR drafts nothing" if state.method == "ar" else "no drafted rounds yet")
+        return _empty("Acceptance length", "AR drafts nothing" if state.method == "ar"
+                      else "drafts accepted per round: more to the right = fewer target passes per token")
     counts = [0] * (max(r.num_draft_tokens for r in rounds) + 1)
     for r in rounds:
         counts[r.num_accepted] += 1
@@ -116,7 +117,7 @@ def divergence_budget(state: RunState) -> go.Figure:
     """Per-token KL(h‖T) spent, its running total, the per-token budget δ and the exact induced divergence."""
     tokens = state.tokens[-MAX_TOKENS:]
     if not tokens:
-        return _empty("Divergence budget", "no tokens yet")
+        return _empty("Divergence budget", "KL(h‖T) each token spends; Cactus keeps it under δ, SpS spends none")
     total = sum(t.kl for t in state.tokens[:len(state.tokens) - len(tokens)])
     running = []
     for t in tokens:
@@ -146,7 +147,7 @@ def throughput(state: RunState, ar_baseline_tps: float | None, window: int = 5) 
     """Tokens/s over time (a moving window of rounds) with the measured AR baseline."""
     rounds = state.rounds[-MAX_ROUNDS:]
     if not rounds:
-        return _empty("Throughput", "no rounds yet")
+        return _empty("Tokens/s over time", "speed as it runs, against your AR reference; live changes are marked")
     xs, ys = [], []
     for i, r in enumerate(rounds):
         chunk = rounds[max(0, i - window + 1): i + 1]
@@ -190,7 +191,7 @@ def draft_verify_timeline(state: RunState) -> go.Figure:
         return ssd_timeline(state)
     rounds = state.rounds[-GANTT_ROUNDS:]
     if not rounds:
-        return _empty("Draft / verify timeline", "no rounds yet")
+        return _empty("Draft / verify timeline", "when the draft and the target ran: synchronous methods alternate")
     traces = []
     for lane, colour, offset_of, seconds_of in (
         ("draft", "#17becf", lambda r: 0.0, lambda r: r.draft_seconds),
@@ -213,7 +214,7 @@ def ssd_cache_hits(state: RunState) -> go.Figure:
     contents (keys (k, y) and fan-out per depth) on hover."""
     rounds = state.ssd_rounds[-MAX_ROUNDS:]
     if not rounds:
-        return _empty("SSD cache hits per round", "run the SSD method to see its speculation cache")
+        return _empty("SSD cache hits per round", "SSD only: green = the draft guessed the outcome ahead (cache hit)")
     colours = {"cache": STATUS_COLOURS["accepted"], "sync": "#7f7f7f"}
     hover = [f"lookup {r.lookup_keys[0]} in {len(r.cache_keys[0])} keys, F={list(r.fanouts)}<br>"
              f"keys: {', '.join(map(str, r.cache_keys[0][:12]))}{'…' if len(r.cache_keys[0]) > 12 else ''}"
@@ -271,7 +272,7 @@ def speedup_curve(state: RunState, ar_baseline_tps: float | None) -> go.Figure:
     """Theoretical speedup against α for this run's K and measured cost ratio c, with the measured point."""
     rounds = [r for r in state.rounds if r.num_draft_tokens]
     if not rounds:
-        return _empty("Theoretical speedup", "needs a speculative run")
+        return _empty("Speedup vs acceptance rate α", "theory for this K and draft cost, with this run's measured point")
     drafted = sum(r.num_draft_tokens for r in rounds)
     alpha = sum(r.num_accepted for r in rounds) / drafted
     k = rounds[-1].num_speculative_tokens or rounds[-1].num_draft_tokens

@@ -183,7 +183,7 @@ def start_session_run(ctx: PlaygroundContext, session: Session, cfg: SpecConfig,
         ctx.loop_for(session.handle_ssd).stop(session.handle)  # a previous run stops at its next round
     control = ctx.with_inspector(cfg)
     run = RunState(method="ssd" if ssd else cfg.method, config=control.as_dict())
-    session.control, session.run, session.rendered_version = control, run, -1
+    session.control, session.run, session.rendered_version = control, run, None
     handle = start_run(ctx, control, prompt_ids, run, time.monotonic() + ctx.limits.max_seconds, ssd=ssd,
                        paused=session.pause_next)
     session.handle, session.handle_ssd, session.pause_next = handle, ssd, False

@@ -32,7 +32,7 @@ class Session:
     pause_next: bool = False  # Pause pressed with no run going: the next run parks after its first round
     ar_reference: object | None = None  # runner.ARReference from this session's own AR run
     run: RunState = field(default_factory=RunState)
-    rendered_version: int = -1  # RunState.version the browser last got charts for
+    rendered_version: tuple | None = None  # (RunState.version, streaming) the browser last got charts for
     tutor: RunHandle | None = None  # the Learn tab's paused run on the engine thread
     tutor_state: RunState = field(default_factory=RunState)
     tutor_stage: int = 0
