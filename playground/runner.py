@@ -224,15 +224,20 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def compare_table(runs: dict[str, RunState]) -> pd.DataFrame:
-    """One row per method; `first_difference` is the first token index that differs from the first method."""
+    """One row per method; `first_difference` is the first token index that differs from the first method,
+    `x_ar` the speed against this comparison's own AR row (same prompt, settings and moment)."""
     rows = []
     reference = next(iter(runs.values())).token_ids if runs else []
+    ar = runs.get("ar")
+    ar_tps = summary(ar).get("decode_tokens_per_s") if ar is not None and ar.finish is not None else None
     for method, run in runs.items():
         m = summary(run)
+        tps = m.get("decode_tokens_per_s", m.get("tokens_per_s"))
         rows.append({
             "method": method,
             "new_tokens": m.get("new_tokens"),
-            "tokens_per_s": m.get("decode_tokens_per_s", m.get("tokens_per_s")),
+            "tokens_per_s": tps,
+            "x_ar": tps / ar_tps if ar_tps and tps else None,  # against the AR row of this same comparison
             "mean_acceptance_length": m.get("mean_acceptance_length"),
             "draft_acceptance_rate": m.get("draft_acceptance_rate"),
             "mean_kl_per_token": m.get("mean_kl_per_token"),

@@ -208,3 +208,47 @@ def test_ssd_runs_through_the_playground_and_fills_its_charts(tiny_pair):
         assert "hit rate" in cache.layout.title.text and len(cache.data[0].x) == len(run.ssd_rounds)
     finally:
         ctx.ssd_engine().close()
+
+
+def test_ssd_fanout_and_c_change_while_paused_apply_next_round_and_are_marked(tiny_pair):
+    """SSD's own knobs are live: changed while the run is parked, they apply within the next two rounds
+    (SSD requests a round's speculation one round ahead) and the throughput chart marks them."""
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("SSD needs two cores")
+    limits = Limits()
+    cfg = build_config(limits, method="ssd", k=3, delta=1, posterior_threshold=0.09, posterior_alpha=0.3,
+                       temperature=0.0, top_p=1, top_k=0, max_new_tokens=40, seed=0, fanout_mode="uniform",
+                       budget=12, downweight_c=1.0, backup="neural")
+    ctx = PlaygroundContext("tiny", tiny_pair, ssd_devices="target=cpu:0,draft=cpu:1")
+    try:
+        handle = start_run(ctx, cfg, tiny_pair.encode_prompt("hi"), RunState(method="ssd", config=cfg.as_dict()),
+                           time.monotonic() + 300, ssd=True, paused=True, steps=1)
+        assert handle.wait(lambda h: h.parked or h.done.is_set(), 120) and handle.parked
+        apply_live_change(cfg, "ssd_fanout_mode", "geometric", limits.max_k)
+        apply_live_change(cfg, "downweight_c", 0.5, limits.max_k)
+        for rounds in (2, 3):  # SSD asks the worker for round n+1 before it yields round n: allow one more
+            ctx.ssd_loop.step(handle)
+            assert handle.wait(lambda h: h.done.is_set() or (h.parked and h.rounds_done == rounds), 120)
+        ctx.ssd_loop.stop(handle)
+        assert handle.done.wait(120)
+        run = handle.state()
+        assert not run.error, run.error
+        change = next(c for c in run.changes if "ssd_fanout_mode" in c.changes)
+        assert change.round_index in (1, 2) and change.changes["downweight_c"] == (1.0, 0.5)
+        assert run.rounds[-1].config["ssd_fanout_mode"] == "geometric"
+        notes = [a.text for a in charts.throughput(run, None).layout.annotations]
+        assert any("fan-out uniform→geometric" in n and "C 1.0→0.5" in n for n in notes), notes
+    finally:
+        ctx.ssd_engine().close()
+
+
+def test_compare_reports_x_ar_against_its_own_ar_row(tiny_pair):
+    ctx = PlaygroundContext("tiny", tiny_pair)
+    cfg = SpecConfig(temperature=0.8, max_new_tokens=16, seed=1)
+    runs = list(run_compare(ctx, ["ar", "sps"], cfg, tiny_pair.encode_prompt("hi"), threading.Event()))[-1][2]
+    table = compare_table(runs).set_index("method")
+    assert table.loc["ar", "x_ar"] == 1.0
+    assert table.loc["sps", "x_ar"] == pytest.approx(table.loc["sps", "tokens_per_s"] / table.loc["ar", "tokens_per_s"],
+                                                     rel=1e-3)
