@@ -8,6 +8,7 @@ Figures are built in one `go.Figure(data, layout)` call from plain dicts: plotly
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 
 import plotly.graph_objects as go
@@ -18,6 +19,7 @@ MAX_TOKENS = 400
 MAX_ROUNDS = 200
 GANTT_ROUNDS = 30
 HEIGHT = 270
+HINT_WIDTH = 48  # characters per line of an empty chart's hint
 CHANGE_COLOUR = "#d62728"
 AXIS_STYLE = {"gridcolor": "#eaeaea", "zerolinecolor": "#cccccc", "linecolor": "#cccccc"}
 
@@ -39,7 +41,8 @@ def figure(traces: Sequence[dict], title: str, x: str = "", y: str = "", *, shap
 
 
 def _empty(title: str, message: str) -> go.Figure:
-    return figure([], title, annotations=[{"text": message, "showarrow": False, "x": 0.5, "y": 0.5, "xref": "paper",
+    """A titled chart with a one-line hint (wrapped: Plotly does not wrap annotations, and half-width charts are narrow)."""
+    return figure([], title, annotations=[{"text": "<br>".join(textwrap.wrap(message, HINT_WIDTH)), "showarrow": False, "x": 0.5, "y": 0.5, "xref": "paper",
                                            "yref": "paper", "font": {"size": 13, "color": "#666"}}],
                   xaxis={"visible": False}, yaxis={"visible": False})
 

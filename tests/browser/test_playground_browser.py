@@ -102,3 +102,19 @@ def test_generate_live_tune_inspect_and_compare(page):
     README_SHOT.parent.mkdir(exist_ok=True)
     if os.environ.get("SPECPLAY_UPDATE_README_SHOT"):
         shutil.copy(ARTIFACTS / "playground-readme.png", README_SHOT)
+
+
+def test_landing_page_charts_have_titles_and_hints_before_any_run(page):
+    """The first screen invites: every chart titled, with a one-line hint, before anyone presses Generate."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.set_viewport_size({"width": 1440, "height": 900})
+    charts = ("chart-throughput", "chart-divergence", "chart-per-position", "chart-histogram", "chart-timeline",
+              "chart-ssd", "chart-speedup")
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 7")
+    for chart in charts:
+        title, hint = page.evaluate(f"""() => {{
+            const el = document.querySelector('#{chart} .js-plotly-plot');
+            return [el.layout.title.text, (el.layout.annotations || []).map(a => a.text).join(' ')]; }}""")
+        assert title and len(hint) > 20, (chart, title, hint)
+    assert "SmolLM2" in page.locator("#header").inner_text() or "tiny" in page.locator("#header").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "playground-landing.png"))
