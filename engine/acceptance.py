@@ -12,13 +12,18 @@ bit for bit.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling import entropy, sample_from
+from engine.sampling import SamplingParams, entropy, native_width, sample_from, sparse_probs
+
+if TYPE_CHECKING:  # annotations only
+    from engine.drafters import Proposal
 
 METHODS = ("sps", "tas", "cactus")
 
@@ -34,10 +39,10 @@ class RandomDraws:
 
     @staticmethod
     def draw(batch: int, k: int, generator: torch.Generator | None = None) -> "RandomDraws":
-        return RandomDraws(
-            u_accept=torch.rand(batch, k, generator=generator),
-            u_sample=torch.rand(batch, generator=generator),
-        )
+        """u_accept then u_sample from the stream, drawn in one call (the same numbers as two calls:
+        torch's CPU generator fills a tensor element by element)."""
+        u = torch.rand(batch * (k + 1), generator=generator)
+        return RandomDraws(u_accept=u[: batch * k].view(batch, k), u_sample=u[batch * k:])
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,58 @@ class VerifyResult:
     kl: torch.Tensor  # [B, K]: KL(h_i || T_i) spent at position i, nats
     target_entropy: torch.Tensor  # [B, K+1]: H(T_i), nats
     draws: RandomDraws
+    next_target_probs: torch.Tensor  # [B]: T of next_tokens at their position (T_{k+1})
+    next_draft_probs: torch.Tensor  # [B]: D of next_tokens there (0 for a bonus token)
+
+
+class RoundVerdict:
+    """One sequence's round as Python values, what the decoding loop and its events read: the
+    native rule hands them over in one conversion, and the batched `VerifyResult` tensors are built
+    only if someone asks (`result`, and VerifyResult's own names for callers that index them)."""
+
+    PER_POSITION = ("target_token_probs", "draft_token_probs", "gamma", "acceptance_probs", "kl", "target_entropy")
+
+    def __init__(self, accepted_count: int, next_token: int, passed: list[bool], per_position: list[list[float]],
+                 next_target_prob: float, next_draft_prob: float, draws: RandomDraws) -> None:
+        self.accepted_count = accepted_count  # k
+        self.next_token = next_token
+        self.passed = passed  # the test at every drafted position, before the first-rejection cut
+        # T_i(x_i), D_i(x_i), gamma, P(accept), KL (K entries each), H(T_i) (K+1 entries)
+        (self.target_token_probs, self.draft_token_probs, self.gamma_values, self.acceptance_probs_values,
+         self.kl_values, self.entropy_values) = per_position
+        self.next_target_prob = next_target_prob
+        self.next_draft_prob = next_draft_prob
+        self.draws = draws
+        self._result: VerifyResult | None = None
+
+    @staticmethod
+    def from_result(result: VerifyResult) -> "RoundVerdict":
+        """Row 0 of a batched result."""
+        verdict = RoundVerdict(int(result.num_accepted[0]), int(result.next_tokens[0]), result.accepted[0].tolist(),
+                               [getattr(result, name)[0].tolist() for name in RoundVerdict.PER_POSITION],
+                               float(result.next_target_probs[0]), float(result.next_draft_probs[0]), result.draws)
+        verdict._result = result
+        return verdict
+
+    @property
+    def result(self) -> VerifyResult:
+        """The same outcome as [1, ...] tensors."""
+        if self._result is None:
+            rows = [self.target_token_probs, self.draft_token_probs, self.gamma_values, self.acceptance_probs_values,
+                    self.kl_values]
+            self._result = VerifyResult(
+                num_accepted=torch.tensor([self.accepted_count]), next_tokens=torch.tensor([self.next_token]),
+                accepted=torch.tensor([self.passed], dtype=torch.bool),
+                **{name: torch.tensor([row]) for name, row in zip(self.PER_POSITION, rows)},
+                target_entropy=torch.tensor([self.entropy_values]), draws=self.draws,
+                next_target_probs=torch.tensor([self.next_target_prob]),
+                next_draft_probs=torch.tensor([self.next_draft_prob]))
+        return self._result
+
+    num_accepted = property(lambda self: self.result.num_accepted)
+    next_tokens = property(lambda self: self.result.next_tokens)
+    accepted = property(lambda self: self.result.accepted)
+    gamma = property(lambda self: self.result.gamma)
 
 
 def cactus_gamma(target_token_probs: torch.Tensor, delta: float) -> torch.Tensor:
@@ -93,8 +150,7 @@ def tas_threshold(target_probs: torch.Tensor, posterior_threshold: float, poster
 
 def _check(method: str, target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
            delta: float, posterior_threshold: float, posterior_alpha: float) -> None:
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    _check_rule(method, delta, posterior_threshold, posterior_alpha)
     if target_probs.dim() != 3 or draft_probs.dim() != 3 or draft_tokens.dim() != 2:
         raise ValueError("expected target_probs [B,K+1,V], draft_probs [B,K,V], draft_tokens [B,K]")
     b, k1, v = target_probs.shape
@@ -104,6 +160,11 @@ def _check(method: str, target_probs: torch.Tensor, draft_probs: torch.Tensor, d
             f"{tuple(draft_probs.shape)}, draft_tokens {tuple(draft_tokens.shape)} "
             "(the vocabularies must match and target_probs needs K+1 positions)"
         )
+
+
+def _check_rule(method: str, delta: float, posterior_threshold: float, posterior_alpha: float) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
     if not (delta >= 0.0 and math.isfinite(delta)):
         raise ValueError(f"delta (the Cactus KL budget) must be a finite number >= 0, got {delta}")
     if not (0.0 < posterior_threshold <= 1.0) or not (0.0 < posterior_alpha <= 1.0):
@@ -160,6 +221,9 @@ def verify(
 
     num_accepted = torch.cumprod(accepted.long(), dim=-1).sum(dim=-1)
     next_tokens = _next_tokens(method, target_probs, draft_probs, draft_tokens, num_accepted, gamma, u_sample)
+    rows = torch.arange(b, device=target_probs.device)
+    drafted = num_accepted < k
+    next_draft = draft_probs[rows, num_accepted.clamp(max=k - 1), next_tokens] if k else u_sample * 0
     return VerifyResult(
         num_accepted=num_accepted,
         next_tokens=next_tokens,
@@ -171,6 +235,8 @@ def verify(
         kl=kl,
         target_entropy=entropy(target_probs),
         draws=draws,
+        next_target_probs=target_probs[rows, num_accepted, next_tokens],
+        next_draft_probs=torch.where(drafted, next_draft, 0.0),
     )
 
 
@@ -191,6 +257,64 @@ def verify_on_support(method: str, target_probs: torch.Tensor, draft_probs: torc
     local_tokens = torch.searchsorted(columns, draft_tokens)
     result = verify(method, target_probs[..., columns], draft_probs[..., columns], local_tokens, **kwargs)
     return replace(result, next_tokens=columns[result.next_tokens])
+
+
+def verify_logits(method: str, logits: torch.Tensor, params: SamplingParams, draft: Proposal, draws: RandomDraws, *,
+                  delta: float = 1.0, posterior_threshold: float = 0.09,
+                  posterior_alpha: float = 0.3) -> tuple[tuple[torch.Tensor | None, torch.Tensor], RoundVerdict]:
+    """One sequence's round from the target's logits [K+1, V]: the sampling transform
+    (`sampling.sparse_probs`'s rows T_1..T_{K+1}) and the rule on the kept support
+    (`verify_on_support`), for the drafted tokens and their D_i in `draft` (dense or sparse rows).
+
+    Where `sampling.native_support` applies and the kernels built, both are one native call
+    (cpu_kernels.c `verify_logits`: the steps of `sparse_probs` and `verify` on the same columns in
+    the same float32 / float64 precision, so the same draws give the same tokens up to float32
+    rounding), handing back Python values in one conversion; otherwise the torch references run.
+    Returns ((ids, probs) or (None, dense probs), the round's verdict).
+    """
+    k = len(draft.tokens)
+    if logits.shape[0] != k + 1:
+        raise ValueError(f"expected K+1 = {k + 1} rows of logits, got {logits.shape[0]}")
+    width = native_width(params, logits)
+    if width is None:
+        support = sparse_probs(logits, params)
+        ids, probs = support
+        dense = probs if ids is None else torch.zeros(k + 1, draft.vocab_size, device=probs.device).scatter_(-1, ids, probs)
+        tokens = torch.tensor([draft.tokens], dtype=torch.long, device=dense.device)
+        return support, RoundVerdict.from_result(verify_on_support(
+            method, dense.unsqueeze(0), draft.probs.to(dense.device).unsqueeze(0), tokens, ids, delta=delta,
+            posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha, draws=draws))
+    _check_rule(method, delta, posterior_threshold, posterior_alpha)
+    logits = logits.detach().float().contiguous()
+    if draft.support is not None:
+        draft_ids, draft_probs = (t.contiguous() for t in draft.support)
+    else:
+        draft_ids, draft_probs = None, draft.probs.float().contiguous()
+    ids = torch.empty(k + 1, width, dtype=torch.long)
+    probs = torch.empty(k + 1, width)
+    stats = torch.empty(8, k + 2, dtype=torch.float64)  # rows as cpu_kernels.c verify_logits writes them
+    temperature, top_p = (1.0, 1.0) if params.greedy else (params.temperature, params.top_p)
+    _kernels().verify_logits(
+        logits.data_ptr(), logits.shape[1], width, temperature, top_p, _RULE_CODES[method], k,
+        None if draft_ids is None else draft_ids.data_ptr(), draft_probs.data_ptr(), draft_probs.shape[-1],
+        (ctypes.c_int64 * max(k, 1))(*draft.tokens), draws.u_accept.contiguous().data_ptr(),
+        draws.u_sample.contiguous().data_ptr(), delta, posterior_threshold, posterior_alpha, ids.data_ptr(),
+        probs.data_ptr(), stats.data_ptr())
+    values = stats.tolist()
+    per_position = [row[:k] for row in values[:5]] + [values[5][:k + 1]]
+    count, next_token = int(values[7][0]), int(values[7][1])
+    passed = [bool(v) for v in values[7][2:k + 2]]
+    return (ids, probs), RoundVerdict(count, next_token, passed, per_position, values[6][0], values[6][1], draws)
+
+
+_RULE_CODES = {"sps": 0, "tas": 1, "cactus": 2}  # verify_support's method codes (cpu_kernels.c)
+
+
+def _kernels():
+    """The sampling kernels (see engine.sampling._kernels for why they are looked up late)."""
+    from engine.sampling import _kernels as kernels
+
+    return kernels()
 
 
 def _next_tokens(method: str, target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,

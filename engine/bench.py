@@ -33,6 +33,7 @@ from engine.cli import add_spec_arguments, spec_config_from_args
 from engine.config import DECODE_METHODS, SSD_BACKUPS, SSD_FANOUT_MODES, SpecConfig
 from engine.decoding import describe_device, generate
 from engine.events import FinishEvent
+from engine.metrics import ROUND_PHASES
 from engine.models.embedded import gguf_path
 from engine.models.fast_llama import WEIGHT_DTYPES
 from engine.models.registry import BACKENDS, DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS, GENERIC_K, PAIRS, ModelPair, load_pair
@@ -45,6 +46,9 @@ UNDRAFTED = ("ar", "hf-ar", "llama.cpp")  # rows that do not depend on K
 SSD_METHOD = "ssd"
 SUM_KEYS = ("new_tokens", "num_rounds", "target_forwards", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
             "kl_total", "elapsed_seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "overhead_seconds")
+# --profile: ms per round of each round phase (engine.metrics.ROUND_PHASES), then the decoding
+# time outside every round (the consumer between rounds, the final text decode).
+PROFILE_COLUMNS = ROUND_PHASES + ("between_rounds",)
 TIMED_KEYS = ("tokens_per_s", "decode_tokens_per_s", "overhead_fraction", "draft_ms_per_token",
               "verify_ms_per_round")
 SSD_KEYS = ("cache_hit_rate", "theoretical_speedup", "measured_speedup", "projected_tokens_per_s", "model_tokens_per_s",
@@ -57,6 +61,7 @@ def run_engine(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: 
     totals = dict.fromkeys(SUM_KEYS, 0.0)
     target = pair.make_target(backend, weight_dtype)
     draft = None if method == "ar" else pair.make_drafter(drafter, backend, weight_dtype)
+    phases = dict.fromkeys(PROFILE_COLUMNS, 0.0)
     eos = frozenset() if ignore_eos else pair.eos_token_ids
     for i, ids in enumerate(prompts):
         run_cfg = replace(cfg, method=method, seed=cfg.seed + i)
@@ -64,7 +69,12 @@ def run_engine(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: 
                       if isinstance(e, FinishEvent))
         for key in SUM_KEYS:
             totals[key] += finish.metrics[key]
-    return _derive(totals, describe_device(target)) | {"backend": target.backend_label}
+        for phase, seconds in finish.metrics["phase_seconds"].items():
+            phases[phase] += seconds
+        phases["between_rounds"] += finish.metrics["between_rounds_seconds"]
+    profile = {phase: 1e3 * seconds / max(totals["num_rounds"], 1) for phase, seconds in phases.items()}
+    return _derive(totals, describe_device(target)) | {"backend": target.backend_label, "profile_ms_per_round": profile,
+                                                       "prefill_ms": 1e3 * totals["prefill_seconds"] / len(prompts)}
 
 
 def _derive(t: dict, devices: str) -> dict:
@@ -300,6 +310,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     ap.add_argument("--json", help="write the rows as JSON to this file")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where a round goes: ms per round of each phase (median over repeats), "
+                    "the overhead outside the model forwards, and the prefill")
     return ap.parse_args(argv)
 
 
@@ -366,6 +379,10 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         for key in TIMED_KEYS + (SSD_KEYS if m == SSD_METHOD else ()):
             values = [r[key] for r in reps if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
+        if "profile_ms_per_round" in row:
+            row["profile_ms_per_round"] = {phase: statistics.median(r["profile_ms_per_round"][phase] for r in reps)
+                                           for phase in PROFILE_COLUMNS}
+            row["prefill_ms"] = statistics.median(r["prefill_ms"] for r in reps)
         row.update(label=labels[m, k, wd], method=m, weight_dtype=None if m in PEER_METHODS else wd, pair=pair.name,
                    drafter="-" if m in UNDRAFTED else args.drafter,
                    k=None if m in UNDRAFTED else k, delta=args.delta if m == "cactus" else None,
@@ -394,10 +411,27 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
             "model_tokens_per_s", "theoretical_speedup", "measured_speedup", "backend", "devices"]
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
         print(table[[c for c in cols if c in table.columns]])
+    if args.profile:
+        print_profile(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2, default=float)
     return table
+
+
+def print_profile(rows: Sequence[dict]) -> None:
+    """Where a round goes, per engine row: ms per round of each phase (the *_forward phases are the
+    models' forwards; the rest is overhead), the overhead's share of the round, and the prefill."""
+    profiled = [r for r in rows if r.get("profile_ms_per_round")]
+    if not profiled:
+        return
+    table = pd.DataFrame([{"label": r["label"], **r["profile_ms_per_round"],
+                           "round_ms": sum(r["profile_ms_per_round"][p] for p in ROUND_PHASES),
+                           "overhead_fraction": r["overhead_fraction"], "prefill_ms": r["prefill_ms"]}
+                          for r in profiled]).set_index("label")
+    print("\nper-round profile (ms per round, median over repeats; overhead = all but the two *_forward phases)")
+    with pd.option_context("display.width", 250, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
+        print(table)
 
 
 if __name__ == "__main__":

@@ -20,14 +20,14 @@ from collections.abc import Iterator, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.acceptance import RandomDraws, VerifyResult, cactus_h, verify_on_support
+from engine.acceptance import RandomDraws, RoundVerdict, cactus_h, verify_logits
 from engine.config import SpecConfig
 from engine.detokenize import IncrementalDetokenizer
 from engine.drafters import Drafter, Proposal
-from engine.events import Candidate, FinishEvent, RoundEvent, StartEvent, TokenEvent
-from engine.metrics import SpecMetrics
+from engine.events import Candidate, FinishEvent, RoundEvent, StartEvent, TokenDetails, TokenEvent
+from engine.metrics import PhaseClock, SpecMetrics
 from engine.models.causal_lm import CausalLM
-from engine.sampling import dense_probs, sparse_probs
+from engine.sampling import dense_probs
 
 Event = StartEvent | TokenEvent | RoundEvent | FinishEvent
 
@@ -84,13 +84,14 @@ def generate(
         if stop is not None and stop.is_set():
             reason = "stopped"
             break
-        round_start = time.perf_counter()
+        clock = PhaseClock()
         cfg = config.snapshot()
         remaining = cfg.max_new_tokens - len(generated)
         if remaining <= 0:
             break
         params = cfg.sampling
         k = 0 if cfg.method == "ar" else min(cfg.num_speculative_tokens, remaining - 1)
+        clock.lap("bookkeeping")
 
         draft_before = drafter.forward_seconds if drafter else 0.0
         proposal = Proposal([], torch.empty(0, vocab))
@@ -98,6 +99,7 @@ def generate(
             proposal = drafter.propose(context, k, params, torch.rand(k, generator=generator))
         k = len(proposal.tokens)
         draft_seconds = (drafter.forward_seconds if drafter else 0.0) - draft_before
+        clock.split("draft_other", "draft_forward", draft_seconds)
 
         verify_before = target.forward_seconds
         fed_from = target.length
@@ -107,30 +109,34 @@ def generate(
             logits = torch.cat([pending_logits, logits])
         pending_logits = None
         verify_seconds = target.forward_seconds - verify_before
+        clock.split("verify_other", "verify_forward", verify_seconds)
 
-        target_probs, proposal, result = apply_rule(logits, proposal, cfg, generator)
-        num_accepted = int(result.num_accepted[0])
+        support, proposal, result = apply_rule(logits, proposal, cfg, generator)
+        clock.lap("sampling_rule")
+        num_accepted = result.accepted_count
         target.rollback(len(context) + num_accepted)
         if observes and feed:
             drafter.observe_target(fed_from, target.last_hidden[: target.length - fed_from])
+        clock.lap("rollback")
 
-        new_tokens = proposal.tokens[:num_accepted] + [int(result.next_tokens[0])]
+        new_tokens = proposal.tokens[:num_accepted] + [result.next_token]
         finished = False
         for j, token in enumerate(new_tokens):
             if token in eos_token_ids:
                 new_tokens, finished = new_tokens[: j + 1], True
                 break
-        token_events = _token_events(
-            cfg, result, target_probs, proposal, new_tokens, num_accepted, len(generated), round_index, detok,
-            tokenizer,
-        )
         context.extend(new_tokens)
         generated.extend(new_tokens)
+        clock.lap("bookkeeping")
+        token_events = _token_events(
+            cfg, result, support, proposal, new_tokens, num_accepted, len(generated) - len(new_tokens), round_index,
+            detok, tokenizer,
+        )
         rejected = proposal.tokens[num_accepted] if num_accepted < k else None
         # An EOS among the accepted drafts ends the generation there: drafts after it were never
         # needed, so they count neither as drafted nor as accepted.
         counted = min(k, len(new_tokens)) if finished and len(new_tokens) <= num_accepted else k
-        round_event = RoundEvent(
+        fields = dict(
             round_index=round_index,
             method=cfg.method,
             num_speculative_tokens=0 if cfg.method == "ar" else cfg.num_speculative_tokens,
@@ -138,18 +144,19 @@ def generate(
             draft_token_ids=tuple(proposal.tokens[:counted]),
             num_accepted=min(num_accepted, counted),
             num_emitted=len(new_tokens),
-            accepted_positions=tuple(bool(a) for a in result.accepted[0, :counted].tolist()),
+            accepted_positions=tuple(result.passed[:counted]),
             rejected_token_id=rejected,
             rejected_text=None if rejected is None else tokenizer.decode([rejected]),
             kl=sum(e.kl for e in token_events),
             draft_seconds=draft_seconds,
             verify_seconds=verify_seconds,
             target_forwards=int(bool(feed)),
-            round_seconds=time.perf_counter() - round_start,
-            elapsed_seconds=time.perf_counter() - start,
             config=cfg.as_dict(),
             config_changes=cfg.changed_fields(previous) if round_index else (),
         )
+        clock.lap("events")
+        round_event = RoundEvent(**fields, round_seconds=clock.total, elapsed_seconds=time.perf_counter() - start,
+                                 phase_seconds=clock.seconds)
         metrics.add_round(round_event)
         yield from token_events
         yield round_event
@@ -159,40 +166,40 @@ def generate(
             reason = "eos"
             break
 
+    text = detok.text()
     elapsed = time.perf_counter() - start
-    yield FinishEvent(reason, detok.text(), tuple(generated), metrics.summary(elapsed, prefill_seconds))
+    yield FinishEvent(reason, text, tuple(generated), metrics.summary(elapsed, prefill_seconds))
 
 
 def apply_rule(logits: torch.Tensor, proposal: Proposal, cfg: SpecConfig,
-               generator: torch.Generator) -> tuple[torch.Tensor, Proposal, VerifyResult]:
+               generator: torch.Generator) -> tuple[tuple[torch.Tensor | None, torch.Tensor], Proposal, RoundVerdict]:
     """One round's verdict from the target's logits [K+1, V] at the verified positions: the target's
-    probabilities under the round's sampling, the proposal moved to their device (the draft may
-    live elsewhere) and the acceptance rule's result. AR is SpS with K = 0."""
-    support, kept = sparse_probs(logits, cfg.sampling)
-    target_probs = dense_probs(support, kept, logits.shape[-1])
-    proposal = Proposal(proposal.tokens, proposal.probs.to(target_probs.device))
-    draft_tokens = torch.tensor([proposal.tokens], dtype=torch.long, device=target_probs.device)
-    result = verify_on_support(
-        "sps" if cfg.method == "ar" else cfg.method,
-        target_probs.unsqueeze(0), proposal.probs.unsqueeze(0), draft_tokens, support,
+    rows under the round's sampling as `sparse_probs` gives them (ids, probs), the proposal moved to
+    their device (the draft may live elsewhere) and the acceptance rule's result. AR is SpS with K = 0."""
+    if proposal.device != logits.device:
+        proposal = Proposal(proposal.tokens, proposal.probs.to(logits.device))
+    support, result = verify_logits(
+        "sps" if cfg.method == "ar" else cfg.method, logits, cfg.sampling, proposal,
+        RandomDraws.draw(1, len(proposal.tokens), generator),
         delta=cfg.delta, posterior_threshold=cfg.posterior_threshold, posterior_alpha=cfg.posterior_alpha,
-        draws=RandomDraws.draw(1, len(proposal.tokens), generator),
     )
-    return target_probs, proposal, result
+    return support, proposal, result
 
 
-def _token_events(cfg: SpecConfig, result: VerifyResult, target_probs: torch.Tensor, proposal: Proposal, new_tokens: list[int],
-                  num_accepted: int, first_index: int, round_index: int, detok: IncrementalDetokenizer,
-                  tokenizer: PreTrainedTokenizerBase) -> list[TokenEvent]:
-    """Per-token events; statistics are read once per round as Python lists (no per-token tensors)."""
+def _token_events(cfg: SpecConfig, result: RoundVerdict, support: tuple[torch.Tensor | None, torch.Tensor],
+                  proposal: Proposal, new_tokens: list[int], num_accepted: int, first_index: int, round_index: int,
+                  detok: IncrementalDetokenizer, tokenizer: PreTrainedTokenizerBase) -> list[TokenEvent]:
+    """The round's token events: ids, status and the rule's per-token numbers now (read once per
+    round as Python lists); text and inspector candidates when a consumer reads them."""
     k = len(proposal.tokens)
-    stats = {name: getattr(result, name)[0].tolist() for name in
-             ("target_token_probs", "draft_token_probs", "acceptance_probs", "gamma", "kl")}
-    entropy = result.target_entropy[0].tolist()
+    detok.extend(new_tokens)
+    details = _RoundDetails(detok, cfg, result, support, proposal, tokenizer)
+    cactus = cfg.method == "cactus"
     events = []
     for pos, token in enumerate(new_tokens):
         tested = pos < k
-        if pos < num_accepted:
+        accepted = pos < num_accepted
+        if accepted:
             status = "accepted"
         elif tested:
             status = "recovered"
@@ -201,22 +208,52 @@ def _token_events(cfg: SpecConfig, result: VerifyResult, target_probs: torch.Ten
         events.append(TokenEvent(
             index=first_index + pos,
             token_id=token,
-            text=detok.push(token),
             status=status,
             round_index=round_index,
             draft_position=pos + 1,
-            target_prob=float(target_probs[pos, token]),
-            draft_prob=float(proposal.probs[pos, token]) if tested else None,
-            acceptance_prob=stats["acceptance_probs"][pos] if tested else None,
-            gamma=stats["gamma"][pos] if tested and cfg.method == "cactus" else None,
-            kl=stats["kl"][pos] if tested else 0.0,
-            target_entropy=entropy[pos],
-            candidates=_candidates(cfg, result, target_probs, proposal, pos, tokenizer) if cfg.inspect_top_n else (),
+            target_prob=result.target_token_probs[pos] if accepted else result.next_target_prob,
+            draft_prob=(result.draft_token_probs[pos] if accepted else result.next_draft_prob) if tested else None,
+            acceptance_prob=result.acceptance_probs_values[pos] if tested else None,
+            gamma=result.gamma_values[pos] if tested and cactus else None,
+            kl=result.kl_values[pos] if tested else 0.0,
+            target_entropy=result.entropy_values[pos],
+            details=details,
         ))
     return events
 
 
-def _candidates(cfg: SpecConfig, result: VerifyResult, target_probs: torch.Tensor, proposal: Proposal, pos: int,
+class _RoundDetails(TokenDetails):
+    """One round's text pieces and inspector candidates, computed on first read.
+
+    Candidates need the round's full distributions, so they are built for every position of the
+    round at once (under a lock: the UI may read from another thread) and the rows are then let go.
+    """
+
+    def __init__(self, detok: IncrementalDetokenizer, cfg: SpecConfig, result: RoundVerdict,
+                 support: tuple[torch.Tensor | None, torch.Tensor], proposal: Proposal,
+                 tokenizer: PreTrainedTokenizerBase) -> None:
+        self._detok = detok
+        self._rows = (cfg, result, support, proposal, tokenizer) if cfg.inspect_top_n else None
+        self._candidates: list[tuple[Candidate, ...]] | None = None
+        self._lock = threading.Lock()
+
+    def text(self, index: int) -> str:
+        return self._detok.piece(index)
+
+    def candidates(self, position: int) -> tuple[Candidate, ...]:
+        with self._lock:
+            if self._candidates is None:
+                if self._rows is None:
+                    return ()
+                cfg, result, (ids, probs), proposal, tokenizer = self._rows
+                target_probs = dense_probs(ids, probs, proposal.vocab_size)
+                self._candidates = [_candidates(cfg, result, target_probs, proposal, pos, tokenizer)
+                                    for pos in range(target_probs.shape[0])]
+                self._rows = None
+            return self._candidates[position]
+
+
+def _candidates(cfg: SpecConfig, result: RoundVerdict, target_probs: torch.Tensor, proposal: Proposal, pos: int,
                 tokenizer: PreTrainedTokenizerBase) -> tuple[Candidate, ...]:
     """Top candidates at one position with target, draft, h and residual probabilities."""
     t = target_probs[pos]
@@ -224,7 +261,7 @@ def _candidates(cfg: SpecConfig, result: VerifyResult, target_probs: torch.Tenso
     d = proposal.probs[pos] if tested else torch.zeros_like(t)
     h = t
     if tested and cfg.method == "cactus":
-        h = cactus_h(t, torch.tensor(proposal.tokens[pos], device=t.device), result.gamma[0, pos])
+        h = cactus_h(t, torch.tensor(proposal.tokens[pos], device=t.device), torch.tensor(result.gamma_values[pos], device=t.device))
     residual = (h - d).clamp_min(0.0)
     residual = residual / residual.sum().clamp_min(1e-30)
     top = torch.topk(t + d, min(cfg.inspect_top_n, t.numel())).indices.tolist()

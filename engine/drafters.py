@@ -10,18 +10,47 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling import SamplingParams, logits_to_probs, sample_from
+from engine.sampling import SamplingParams, dense_probs, logits_to_probs, sample_from
 
 
-@dataclass(frozen=True)
 class Proposal:
-    tokens: list[int]  # n <= K drafted tokens
-    probs: torch.Tensor  # [n, V]: D_i, the distribution tokens[i] was sampled from
+    """n <= K drafted tokens and D_i, the distribution tokens[i] was sampled from.
+
+    Given as dense rows `probs` [n, V], or (from a drafter whose rows have a small support) as the
+    same rows in sparse form `support` = (ids, probs) [n, w] plus the vocabulary size: the
+    acceptance rule reads that form directly, and the dense rows are built only if someone reads
+    `probs` (a [V] row per token was most of a round's drafting overhead).
+    """
+
+    def __init__(self, tokens: list[int], probs: torch.Tensor | None = None, *,
+                 support: tuple[torch.Tensor, torch.Tensor] | None = None, vocab_size: int = 0) -> None:
+        if (probs is None) == (support is None):
+            raise ValueError("a Proposal takes dense probs or a sparse support, exactly one of them")
+        if support is not None and not vocab_size:
+            raise ValueError("a sparse Proposal needs the vocabulary size")
+        self.tokens = tokens
+        self.support = support
+        self._probs = probs
+        self.vocab_size = probs.shape[-1] if probs is not None else vocab_size
+
+    @property
+    def probs(self) -> torch.Tensor:
+        """[n, V]: the dense rows (built from `support` on first read)."""
+        if self._probs is None:
+            ids, probs = self.support
+            self._probs = dense_probs(ids, probs, self.vocab_size)
+        return self._probs
+
+    @property
+    def device(self) -> torch.device:
+        return (self._probs if self._probs is not None else self.support[1]).device
+
+    def __repr__(self) -> str:
+        return f"Proposal(tokens={self.tokens}, {'dense' if self.support is None else 'sparse'})"
 
 
 # Saguaro sampling (ALGORITHMS.md §4.4): maps the draft distribution of drafted position i

@@ -32,11 +32,24 @@ class StartEvent:
     devices: str
 
 
+class TokenDetails:
+    """What a token event computes only when a consumer asks: its decoded text and its inspector
+    candidates. Building them for every token cost more than the rule itself, and the benchmark
+    never reads them; the decoding loop hands each round's tokens one shared instance."""
+
+    def text(self, index: int) -> str:
+        """The decoded piece of generated token `index`."""
+        return ""
+
+    def candidates(self, position: int) -> tuple[Candidate, ...]:
+        """Inspector rows of the round's token at 0-based `position`."""
+        return ()
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     index: int  # position in the generated text (0-based)
     token_id: int
-    text: str  # decoded piece ("" while a multi-byte character is incomplete)
     status: str  # accepted | recovered | bonus | generated
     round_index: int
     draft_position: int  # 1-based position inside the round
@@ -46,8 +59,18 @@ class TokenEvent:
     gamma: float | None  # Cactus h(x) of the drafted token tested here
     kl: float  # KL(h || T) spent at this position, nats
     target_entropy: float  # H(T) at this position, nats
-    candidates: tuple[Candidate, ...] = ()
     sequence: int = 0  # row of the batch (SSD decodes several sequences together)
+    details: TokenDetails = field(default_factory=TokenDetails, repr=False, compare=False)
+
+    @property
+    def text(self) -> str:
+        """Decoded piece ("" while a multi-byte character is incomplete), decoded on first read."""
+        return self.details.text(self.index)
+
+    @property
+    def candidates(self) -> tuple[Candidate, ...]:
+        """Top candidates for the token inspector (() unless the config's inspect_top_n asked)."""
+        return self.details.candidates(self.draft_position - 1)
 
 
 @dataclass(frozen=True)
@@ -71,6 +94,7 @@ class RoundEvent:
     config: dict = field(default_factory=dict)
     config_changes: tuple[str, ...] = ()  # fields changed since the previous round (live tuning)
     sequence: int = 0
+    phase_seconds: dict = field(default_factory=dict)  # wall time per round phase (metrics.ROUND_PHASES)
 
     @property
     def overhead_seconds(self) -> float:

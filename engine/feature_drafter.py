@@ -19,7 +19,7 @@ from engine.drafters import Drafter, Proposal, ProposalShape, branch_proposals
 from engine.models.causal_lm import CausalLM
 from engine.models.fast_llama import PackedLinear
 from engine.models.feature_draft import FeatureDraft
-from engine.sampling import SamplingParams, dense_probs, logits_to_probs, sample_from, sparse_probs
+from engine.sampling import SamplingParams, dense_probs, logits_to_probs, sample_from, sample_sparse, sparse_probs
 
 
 class FeatureDrafter(Drafter):
@@ -73,14 +73,19 @@ class FeatureDrafter(Drafter):
         if len(context) < 2:
             raise ValueError("the feature draft needs at least two context tokens")
         feature = self._sync(context)
-        tokens, rows = [], []
+        tokens, ids, rows = [], [], []
         for i in range(k):
-            token, probs = self._sample(feature[None], params, uniforms[i:i + 1])
-            tokens.append(int(token[0]))
-            rows.append(probs[0])
+            drawn, token_ids, probs = self._draw(feature[None], params, uniforms[i:i + 1])
+            tokens += drawn
+            ids.append(token_ids)
+            rows.append(probs)
             if i + 1 < k:
                 feature = self._feed(tokens[-1:], feature[None])[-1]
-        return Proposal(tokens, torch.stack(rows) if rows else torch.empty(0, self.vocab_size))
+        if not rows:
+            return Proposal(tokens, torch.empty(0, self.vocab_size))
+        if ids[0] is None:
+            return Proposal(tokens, torch.cat(rows))
+        return Proposal(tokens, support=(torch.cat(ids), torch.cat(rows)), vocab_size=self.vocab_size)
 
     @torch.inference_mode()
     def score(self, context: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
@@ -138,8 +143,10 @@ class FeatureDrafter(Drafter):
         """Bring the draft KV to entries for positions 1..len(context)-1; return f̂ of the last one."""
         m = len(context) - 1
         known = self._num_features
-        keep = 0  # leading entries whose token matches and whose input feature was a real one
+        # Leading entries whose token matches and whose input feature was a real one; usually all of
+        # them up to the limit, which one list comparison checks before any element-wise search.
         limit = min(len(self._entries), m - 1, self._real_entries, known)
+        keep = limit if self._entries[:limit] == list(context[1:limit + 1]) else 0
         while keep < limit and self._entries[keep] == context[keep + 1]:
             keep += 1
         self.lm.rollback(keep)
@@ -170,26 +177,34 @@ class FeatureDrafter(Drafter):
 
     def _sample(self, features: torch.Tensor, params: SamplingParams,
                 uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draw one token per row: (tokens [n], full-vocabulary probabilities [n, V]).
+        """Draw one token per row: (tokens [n], full-vocabulary probabilities [n, V])."""
+        tokens, ids, probs = self._draw(features, params, uniforms)
+        return torch.tensor(tokens), probs if ids is None else dense_probs(ids, probs, self.vocab_size)
 
-        With a reduced head the sampling runs over the tokens V' keeps (top-k of them, usually) and
-        is scattered back: outside V' the logits are -inf, so temperature, top-k and top-p select the
-        same tokens, and drawing over them in vocabulary order picks the same one as the
-        full-vocabulary draw (zeros add nothing to the CDF) at a fraction of the work.
+    def _draw(self, features: torch.Tensor, params: SamplingParams,
+              uniforms: torch.Tensor) -> tuple[list[int], torch.Tensor | None, torch.Tensor]:
+        """Draw one token per row: (tokens, ids [n, w], probs [n, w]) when the distributions have a
+        small support (a reduced head under top-k or greedy), else (tokens, None, probs [n, V]).
+
+        With a reduced head the sampling runs over the tokens V' keeps (top-k of them, usually): outside
+        V' the logits are -inf, so temperature, top-k and top-p select the same tokens, and drawing over
+        them in vocabulary order (`sample_sparse`) picks the same one as the full-vocabulary draw (zeros
+        add nothing to the CDF) at a fraction of the work.
         """
         if self.head_ids is None:
             probs = logits_to_probs(self._logits(features), params)
-            return sample_from(probs, uniforms), probs
+            return sample_from(probs, uniforms).tolist(), None, probs
         start = time.perf_counter()
         logits = self.head(features)
         self._extra_seconds += time.perf_counter() - start
-        ids, kept = sparse_probs(logits, params)
-        if ids is None:  # no top-k: any token of V' may be drawn
-            ids = torch.arange(logits.shape[-1]).expand_as(kept)
-        tokens, order = self.head_ids[ids].sort(dim=-1)
-        kept = kept.gather(-1, order)
-        drawn = tokens.gather(-1, sample_from(kept, uniforms).unsqueeze(-1)).squeeze(-1)
-        return drawn, dense_probs(tokens, kept, self.vocab_size)
+        draws = [sample_sparse(row, params, u, self.head_ids) for row, u in zip(logits, uniforms.tolist())]
+        if draws[0] is None:  # no top-k: any token of V' may be drawn
+            kept = sparse_probs(logits, params)[1]
+            probs = torch.zeros(kept.shape[0], self.vocab_size).index_copy_(1, self.head_ids, kept)
+            return sample_from(probs, uniforms).tolist(), None, probs
+        if len(draws) == 1:
+            return [draws[0][0]], draws[0][1], draws[0][2]
+        return [d[0] for d in draws], torch.cat([d[1] for d in draws]), torch.cat([d[2] for d in draws])
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [n, V]; a reduced head leaves -inf (zero probability) outside V'."""

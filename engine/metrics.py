@@ -7,10 +7,45 @@ exactly j drafts; `per_position_acceptance_rate[i]` = rounds whose position i+1 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.events import RoundEvent
 from engine.ssd.theory import ssd_speedup
+
+# Where a round's wall time goes, in loop order. The two *_forward phases are the models' own
+# forwards (drafter.forward_seconds, target.forward_seconds); everything else is the overhead the
+# benchmark's `overhead_fraction` counts: the drafter's and the verify call's work around their
+# forwards (the draft's own sampling is in draft_other), the sampling transform of the verified
+# rows with the acceptance rule on their kept support (one native call where the kernels built),
+# the KV rollback and feature hand-over, building the round's events, and the loop's bookkeeping.
+ROUND_PHASES = ("draft_forward", "draft_other", "verify_forward", "verify_other", "sampling_rule", "rollback",
+                "events", "bookkeeping")
+
+
+class PhaseClock:
+    """Wall time per phase of one round: `lap(phase)` charges the time since the previous lap."""
+
+    __slots__ = ("seconds", "_last")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(ROUND_PHASES, 0.0)
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._last
+        self._last = now
+
+    def split(self, phase: str, forward_phase: str, forward_seconds: float) -> None:
+        """Lap `phase`, then move the model's own forward time out of it into `forward_phase`."""
+        self.lap(phase)
+        self.seconds[phase] -= forward_seconds
+        self.seconds[forward_phase] += forward_seconds
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
 
 
 @dataclass
@@ -29,8 +64,11 @@ class SpecMetrics:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     round_seconds: float = 0.0
+    phase_seconds: dict = field(default_factory=lambda: dict.fromkeys(ROUND_PHASES, 0.0))
 
     def add_round(self, event: RoundEvent) -> None:
+        for phase, seconds in event.phase_seconds.items():
+            self.phase_seconds[phase] += seconds
         self.new_tokens += event.num_emitted
         self.num_rounds += 1
         self.target_forwards += event.target_forwards
@@ -79,6 +117,9 @@ class SpecMetrics:
             "verify_seconds": self.verify_seconds,
             "overhead_seconds": overhead,
             "overhead_fraction": overhead / self.round_seconds if self.round_seconds > 0 else None,
+            "phase_seconds": dict(self.phase_seconds),
+            # decoding time outside every round: the consumer's work between rounds, handing events over
+            "between_rounds_seconds": max(decode_seconds - self.round_seconds, 0.0),
         }
 
 

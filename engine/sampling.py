@@ -49,8 +49,16 @@ def sparse_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Te
     Returns (ids [..., w], probs [..., w]) when greedy or top-k bounds every row's support to w < V
     tokens (ids sorted by probability, largest first; top-p may zero some of them), else
     (None, probs [..., V]). Temperature is applied after the top-k selection, which it cannot
-    change, so the common top-k case touches the whole vocabulary once.
+    change, so the common top-k case touches the whole vocabulary once. Greedy and small top-k
+    run in one native pass per row where the kernels built (`native_support`), else in torch
+    (`torch_sparse_probs`, the reference it follows).
     """
+    support = native_support(logits, params)
+    return support if support is not None else torch_sparse_probs(logits, params)
+
+
+def torch_sparse_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """`sparse_probs` in torch ops: the reference, and the path for large or no top-k."""
     logits = logits.float()
     vocab = logits.shape[-1]
     if params.greedy:
@@ -70,6 +78,81 @@ def sparse_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Te
         kept = kept.masked_fill(mass_before >= params.top_p, 0.0)
         kept = kept / kept.sum(dim=-1, keepdim=True)
     return (ids, kept) if bounded else (None, torch.zeros_like(logits).scatter_(-1, ids, kept))
+
+
+def native_support(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`sparse_probs` for greedy (w = 1) or top-k <= 64 on CPU logits, in one native
+    pass per row (cpu_kernels.c `sample_support`: the same steps as `torch_sparse_probs`, equal to
+    float32 rounding); None where that does not apply or the kernels did not build."""
+    width = native_width(params, logits)
+    if width is None:
+        return None
+    vocab = logits.shape[-1]
+    rows = logits.detach().float().reshape(-1, vocab).contiguous()
+    ids = torch.empty(*logits.shape[:-1], width, dtype=torch.long)
+    probs = torch.empty(*logits.shape[:-1], width)
+    temperature, top_p = (1.0, 1.0) if params.greedy else (params.temperature, params.top_p)
+    _kernels().sample_support(rows.data_ptr(), rows.shape[0], vocab, width, temperature, top_p, ids.data_ptr(),
+                              probs.data_ptr())
+    return ids, probs
+
+
+def native_width(params: SamplingParams, logits: torch.Tensor) -> int | None:
+    """The support width the native kernels sample `logits` with under `params` (1 greedy, else
+    top-k), or None where they do not apply (no or a large top-k, not CPU, no kernels built)."""
+    if logits.device.type != "cpu" or _kernels() is None:
+        return None
+    width = 1 if params.greedy else params.top_k
+    vocab = logits.shape[-1]
+    return width if (params.greedy or 0 < width < vocab) and width <= _MAX_NATIVE_TOP_K else None
+
+
+def draw_support(ids: torch.Tensor, probs: torch.Tensor, uniform: float) -> int:
+    """`sample_from` on one sparse row (ids [w] in any order, probs [w]): the token the same uniform
+    draws from the row's dense form, since the draw runs over the ids in vocabulary order."""
+    lib = _kernels()
+    if lib is None:
+        order = ids.argsort()
+        return int(ids[order][sample_from(probs[order], torch.tensor(uniform))])
+    ids, probs = ids.contiguous(), probs.float().contiguous()
+    return int(lib.draw_support(ids.data_ptr(), probs.data_ptr(), ids.numel(), uniform))
+
+
+def sample_sparse(logits: torch.Tensor, params: SamplingParams, uniform: float,
+                  id_map: torch.Tensor | None = None) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """Draw one token from one row of logits [V'] through a sparse support: (token, ids [1, w],
+    probs [1, w]), ids mapped through `id_map` (a reduced head's token ids) when given. One native
+    call where `native_width` applies (the same as `sparse_probs` then `draw_support`); None where
+    the support is not small (no top-k), for the caller's dense path."""
+    width = native_width(params, logits)
+    if width is None:
+        ids, probs = sparse_probs(logits[None], params)
+        if ids is None:
+            return None
+        ids = ids if id_map is None else id_map[ids]
+        return draw_support(ids[0], probs[0], uniform), ids, probs
+    logits = logits.detach().float().contiguous()
+    ids = torch.empty(1, width, dtype=torch.long)
+    probs = torch.empty(1, width)
+    temperature, top_p = (1.0, 1.0) if params.greedy else (params.temperature, params.top_p)
+    token = _kernels().sample_draw(logits.data_ptr(), logits.shape[-1], width, temperature, top_p,
+                                   None if id_map is None else id_map.data_ptr(), uniform, ids.data_ptr(),
+                                   probs.data_ptr())
+    return int(token), ids, probs
+
+
+_MAX_NATIVE_TOP_K = 64  # the kernel keeps its top-k by insertion: beyond this torch.topk is faster
+_NATIVE: list = []
+
+
+def _kernels():
+    """engine.models.cpu_kernels' sampling kernels, looked up on first use (importing them at module
+    load would import engine.models, whose registry imports the drafters, which import this module)."""
+    if not _NATIVE:
+        from engine.models import cpu_kernels
+
+        _NATIVE.append(cpu_kernels.sampling_library())
+    return _NATIVE[0]
 
 
 def dense_probs(ids: torch.Tensor | None, probs: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -726,15 +726,19 @@ void decoder_forward(const Decoder *d, float *x, int64_t n, float *k_cache, floa
 #pragma GCC optimize("fp-contract=off")
 
 // The k largest of row[0..n) into vals/ids, largest first; equal values keep the lower id first.
+// Once k are held, a block of 64 logits is skipped with one vector compare unless some logit in
+// it beats the k-th value, which after the first few blocks is rare.
 static void top_k_row(const float *row, int64_t n, int64_t k, float *vals, int64_t *ids) {
     int64_t m = 0;  // entries held
     float floor = -INFINITY;  // the k-th value once k are held
     for (int64_t base = 0; base < n; base += 64) {
         const int64_t end = base + 64 < n ? base + 64 : n;
-        if (m == k) {  // skip blocks with nothing above the current k-th value (vectorised max)
-            float best = -INFINITY;
-            for (int64_t j = base; j < end; j++) best = row[j] > best ? row[j] : best;
-            if (!(best > floor)) continue;
+        if (m == k && end - base == 64) {
+            const __m256 f = _mm256_set1_ps(floor);
+            __m256 above = _mm256_cmp_ps(_mm256_loadu_ps(row + base), f, _CMP_GT_OQ);
+            for (int64_t j = 8; j < 64; j += 8)
+                above = _mm256_or_ps(above, _mm256_cmp_ps(_mm256_loadu_ps(row + base + j), f, _CMP_GT_OQ));
+            if (!_mm256_movemask_ps(above)) continue;
         }
         for (int64_t j = base; j < end; j++) {
             const float x = row[j];
@@ -825,17 +829,29 @@ static float kl_term(float a, float b) {  // acceptance.binary_kl's term
     return a > 0.0f ? a * (logf(a > 1e-30f ? a : 1e-30f) - logf(b > 1e-30f ? b : 1e-30f)) : 0.0f;
 }
 
+// D_i(token): from dense rows (ids NULL: probs [k, vocab]) or sparse ones (ids, probs [k, w]).
+typedef struct { const int64_t *ids; const float *probs; int64_t w; } DraftRows;
+
+static float draft_at(const DraftRows *d, int64_t i, int64_t token) {
+    if (d->ids == NULL) return d->probs[i * d->w + token];
+    return lookup(d->ids + i * d->w, d->probs + i * d->w, d->w, token);
+}
+
 // acceptance.verify for one sequence on the target's sparse rows (method 0 sps, 1 tas, 2 cactus).
-// t_ids, t_probs [k+1, w]: T_1..T_{k+1} (sample_support's layout; zeros allowed); draft [k, vocab]:
-// the dense D_i rows; tokens, u_accept [k]; u_sample. Outputs: stats [6, k] = T_i(x_i), D_i(x_i),
-// gamma, P(accept), KL spent, accepted (0/1); entropy [k+1]; out [2] = (accepted count, next token);
-// emitted [2] = T and D (0 for the bonus) of the next token at its position.
-void verify_support(int method, int64_t k, int64_t w, const int64_t *t_ids, const float *t_probs,
-                    const float *draft, int64_t vocab, const int64_t *tokens, const float *u_accept, float u_sample,
-                    float delta, float posterior_threshold, float posterior_alpha,
-                    float *stats, float *entropy, int64_t *out, float *emitted) {
-    float *t_x = stats, *d_x = stats + k, *gamma = stats + 2 * k, *accept = stats + 3 * k, *kl = stats + 4 * k;
-    float *passed = stats + 5 * k;
+// t_ids, t_probs [k+1, w]: T_1..T_{k+1} (sample_support's layout; zeros allowed); the draft's D_i
+// as dense rows [k, vocab] (d_ids NULL, d_w = vocab) or sparse ones [k, d_w]; tokens, u_accept [k];
+// u_sample [1]. Outputs: stats [7, k+2], rows T_i(x_i), D_i(x_i), gamma, P(accept), KL spent (the
+// first k entries of each), H(T_i) (k+1 entries), then T and D (0 for a bonus) of the next token
+// at its position; accepted [k] (the test at every position, before the first-rejection cut);
+// out [2] = (accepted count, next token).
+static void verify_support(int method, int64_t k, int64_t w, const int64_t *t_ids, const float *t_probs,
+                           const int64_t *d_ids, const float *d_probs, int64_t d_w, const int64_t *tokens,
+                           const float *u_accept, const float *u_sample, float delta, float posterior_threshold,
+                           float posterior_alpha, float *stats, uint8_t *accepted, int64_t *out) {
+    const DraftRows draft = {d_ids, d_probs, d_w};
+    const int64_t r = k + 2;  // row length: room for the two emitted values when k = 0
+    float *t_x = stats, *d_x = stats + r, *gamma = stats + 2 * r, *accept = stats + 3 * r, *kl = stats + 4 * r;
+    float *entropy = stats + 5 * r, *emitted = stats + 6 * r;
     const float two_delta = (float)(2.0 * (double)delta);
     for (int64_t i = 0; i <= k; i++) {
         float h = 0.0f;
@@ -851,10 +867,10 @@ void verify_support(int method, int64_t k, int64_t w, const int64_t *t_ids, cons
         const int64_t x = tokens[i];
         const float q = lookup(t_ids + i * w, t_probs + i * w, w, x);
         t_x[i] = q;
-        d_x[i] = draft[i * vocab + x];
+        d_x[i] = draft_at(&draft, i, x);
         int ok;
         if (method == 1) {
-            float medusa = 0.0f;  // Medusa's entropy: -sum T log(T + 1e-5)
+            float medusa = 0.0f;  // Medusa's entropy, negated: sum T log(T + 1e-5)
             for (int64_t j = 0; j < w; j++) {
                 const float p = t_probs[i * w + j];
                 medusa += p * logf(p + 1e-5f);
@@ -863,7 +879,8 @@ void verify_support(int method, int64_t k, int64_t w, const int64_t *t_ids, cons
             const float threshold = posterior_threshold < relative ? posterior_threshold : relative;
             ok = q > threshold;
             gamma[i] = accept[i] = (float)ok;
-            kl[i] = -logf(ok ? (q > 1e-30f ? q : 1e-30f) : (t_probs[i * w] > 1e-30f ? t_probs[i * w] : 1e-30f));
+            const float kept = ok ? q : t_probs[i * w];  // h is a point mass: on x, or on argmax T
+            kl[i] = -logf(kept > 1e-30f ? kept : 1e-30f);
         } else {
             float g = q;
             if (method == 2) {
@@ -876,7 +893,7 @@ void verify_support(int method, int64_t k, int64_t w, const int64_t *t_ids, cons
             ok = u_accept[i] < accept[i];
             kl[i] = method == 2 ? kl_term(g, q) + kl_term(1.0f - g, 1.0f - q) : 0.0f;
         }
-        passed[i] = (float)ok;
+        accepted[i] = (uint8_t)ok;
         if (!cut && ok) num_accepted++;
         else cut = 1;
     }
@@ -884,7 +901,6 @@ void verify_support(int method, int64_t k, int64_t w, const int64_t *t_ids, cons
     const int64_t *ids = t_ids + stop * w;
     const float *row = t_probs + stop * w;
     int64_t next;
-    float next_d = 0.0f;
     if (stop < k && method == 1) {
         next = ids[0];  // argmax T (ties: the lower id, as sample_support orders them)
     } else {
@@ -894,31 +910,59 @@ void verify_support(int method, int64_t k, int64_t w, const int64_t *t_ids, cons
         float mass = 0.0f;
         for (int64_t j = 0; j < w; j++) {
             float h = sorted_probs[j];
-            if (stop < k) {
-                const int64_t x = tokens[stop];
+            if (stop < k) {  // recovery: norm(max(h - D, 0)), h = T except for Cactus
                 if (method == 2) {
                     const float q = t_x[stop], g = gamma[stop];
                     float scale = (1.0f - g) / (1.0f - q);
                     if (isnan(scale) || isinf(scale)) scale = 1.0f;
-                    h = sorted_ids[j] == x ? g : h * scale;
+                    h = sorted_ids[j] == tokens[stop] ? g : h * scale;
                 }
                 sorted_probs[j] = h;
-                const float d = draft[stop * vocab + sorted_ids[j]];
+                const float d = draft_at(&draft, stop, sorted_ids[j]);
                 residual[j] = h - d > 0.0f ? h - d : 0.0f;
-            } else {
+            } else {  // bonus: T_{k+1} itself
                 residual[j] = h;
             }
             mass += residual[j];
         }
         // A rejection with zero residual mass can only come from rounding (h == D); draw from h.
-        const int64_t at = draw_index(mass > 0.0f ? residual : sorted_probs, w, u_sample);
-        next = sorted_ids[at];
-        if (stop < k) next_d = draft[stop * vocab + next];
+        next = sorted_ids[draw_index(mass > 0.0f ? residual : sorted_probs, w, u_sample[0])];
         free(sorted_ids); free(sorted_probs); free(residual);
     }
     out[0] = num_accepted;
     out[1] = next;
     emitted[0] = lookup(ids, row, w, next);
-    emitted[1] = next_d;
+    emitted[1] = stop < k ? draft_at(&draft, stop, next) : 0.0f;
+}
+// One round's rule straight from the target's logits [k+1, vocab]: sample_support's rows (kept in
+// t_ids, t_probs [k+1, w] for the token inspector), then verify_support on them. Everything the
+// caller reads lands in one float64 block [8, k+2] (one conversion to Python values): the seven
+// rows of verify_support's stats, then (accepted count, next token, the k per-position tests).
+void verify_logits(const float *logits, int64_t vocab, int64_t w, float temperature, float top_p, int method,
+                   int64_t k, const int64_t *d_ids, const float *d_probs, int64_t d_w, const int64_t *tokens,
+                   const float *u_accept, const float *u_sample, float delta, float posterior_threshold,
+                   float posterior_alpha, int64_t *t_ids, float *t_probs, double *result) {
+    const int64_t r = k + 2;
+    float *stats = malloc(7 * r * sizeof(float));
+    uint8_t *accepted = malloc(r);
+    int64_t out[2];
+    sample_support(logits, k + 1, vocab, w, temperature, top_p, t_ids, t_probs);
+    verify_support(method, k, w, t_ids, t_probs, d_ids, d_probs, d_w, tokens, u_accept, u_sample, delta,
+                   posterior_threshold, posterior_alpha, stats, accepted, out);
+    for (int64_t j = 0; j < 7 * r; j++) result[j] = stats[j];
+    result[7 * r] = (double)out[0];
+    result[7 * r + 1] = (double)out[1];
+    for (int64_t i = 0; i < k; i++) result[7 * r + 2 + i] = accepted[i];
+    free(stats); free(accepted);
+}
+
+// A draft token: sample_support on one row of logits [vocab], its ids mapped through head_ids
+// (a reduced head's token ids; NULL: none) into ids, probs [w], then the draw with u.
+int64_t sample_draw(const float *logits, int64_t vocab, int64_t w, float temperature, float top_p,
+                    const int64_t *head_ids, float u, int64_t *ids, float *probs) {
+    sample_support(logits, 1, vocab, w, temperature, top_p, ids, probs);
+    if (head_ids != NULL)
+        for (int64_t j = 0; j < w; j++) ids[j] = head_ids[ids[j]];
+    return draw_support(ids, probs, w, u);
 }
 #pragma GCC pop_options

@@ -354,8 +354,6 @@ class NativeDecoder:
 # Bindings for the per-round sampling and acceptance kernels at the end of cpu_kernels.c; the
 # wrappers with the torch references beside them are engine.sampling and engine.acceptance.
 
-RULE_CODES = {"sps": 0, "tas": 1, "cactus": 2}
-
 
 @cache
 def sampling_library() -> ctypes.CDLL | None:
@@ -366,7 +364,8 @@ def sampling_library() -> ctypes.CDLL | None:
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.sample_support.restype, lib.sample_support.argtypes = None, [ptr, i64, i64, i64, f32, f32, ptr, ptr]
     lib.draw_support.restype, lib.draw_support.argtypes = i64, [ptr, ptr, i64, f32]
-    lib.verify_support.restype = None
-    lib.verify_support.argtypes = [ctypes.c_int, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, f32, f32, f32, f32,
-                                   ptr, ptr, ptr, ptr]
+    lib.verify_logits.restype = None
+    lib.verify_logits.argtypes = [ptr, i64, i64, f32, f32, ctypes.c_int, i64, ptr, ptr, i64, ptr, ptr, ptr, f32, f32,
+                                  f32, ptr, ptr, ptr]
+    lib.sample_draw.restype, lib.sample_draw.argtypes = i64, [ptr, i64, i64, f32, f32, ptr, f32, ptr, ptr]
     return lib
