@@ -47,7 +47,7 @@ class _SlowTarget:
 
 class _SlowTargetEngine(SSDEngine):
     def _make_targets(self, n):
-        return [t if isinstance(t, _SlowTarget) else _SlowTarget(t, 0.0015) for t in super()._make_targets(n)]
+        return [t if isinstance(t, _SlowTarget) else _SlowTarget(t, 0.004) for t in super()._make_targets(n)]
 
 
 @pytest.fixture(scope="module")
