@@ -26,7 +26,7 @@ from playground.limits import Limits, inspector_width
 from playground.session import Session, SessionStore
 from playground.state import RunState, reduce, summary
 
-FRAME_SECONDS = 0.1  # how often a waiting handler hands the page a new snapshot of its run
+FRAME_SECONDS = 0.15  # how often a waiting handler hands the page a new snapshot of its run (each costs the browser a redraw)
 AR_REFERENCE_TOKENS = 32  # an AR run at least this long, alone on the engine, becomes its session's reference
 VLLM_TARGET_NAMES = {"default": "HuggingFaceTB/SmolLM2-135M-Instruct", "tiny": "./tiny-target (test pair)"}
 
