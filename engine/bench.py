@@ -102,7 +102,7 @@ def run_ssd(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: Spe
             ignore_eos: bool, backend: str = "auto", weight_dtype: str = DEFAULT_FAST_WEIGHTS, *,
             devices: str = "", batch_size: int = 1, rule: str = "sps") -> dict:
     """SSD over all prompts in batches; one worker per (pair, drafter, devices), kept across repeats."""
-    from engine.ssd.devices import default_devices, parse_devices
+    from engine.ssd.devices import default_devices
     from engine.ssd.ssd_decoding import SSDEngine
 
     target_device, draft_device = parse_devices(devices) if devices else default_devices()
