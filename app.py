@@ -13,6 +13,7 @@ from engine.cli import add_spec_arguments, spec_config_from_args
 from engine.config import DECODE_METHODS
 from engine.decoding import generate
 from engine.events import FinishEvent, StartEvent, TokenEvent
+from engine.metrics import DivergenceTally
 from engine.models.fast_llama import WEIGHT_DTYPES
 from engine.models.registry import DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS, load_pair
 from playground.limits import ALLOWED_PAIRS, Limits, check_pair
@@ -51,6 +52,7 @@ def run_cli(args: argparse.Namespace) -> int:
     print("Legend: " + " ".join(f"{COLOURS[s] if colour else ''}{s}{RESET if colour else ''}"
                                 for s in ("accepted", "recovered", "bonus")) + "\n")
     target = pair.make_target(weight_dtype=args.weights)
+    divergence = DivergenceTally()
     for event in generate(target, drafter, pair.tokenizer, pair.encode_prompt(args.prompt), cfg,
                           eos_token_ids=pair.eos_token_ids):
         if isinstance(event, StartEvent):
@@ -58,12 +60,14 @@ def run_cli(args: argparse.Namespace) -> int:
                   f"prompt tokens, prefill {event.prefill_seconds * 1e3:.0f} ms]\n")
         elif isinstance(event, TokenEvent):
             print(f"{COLOURS[event.status]}{event.text}{RESET}" if colour else event.text, end="", flush=True)
+            divergence.add(event)
         elif isinstance(event, FinishEvent):
             m = event.metrics
+            induced = divergence.summary()["mean_induced_kl"]
             print(f"\n\n[{event.reason}] {m['new_tokens']} tokens, {m['tokens_per_s']:.1f} tok/s, "
                   f"mean acceptance length {m['mean_acceptance_length'] or 1:.2f}, "
                   f"draft acceptance {m['draft_acceptance_rate'] or 0:.2f}, "
-                  f"KL/token {m['mean_kl_per_token']:.3f} nats")
+                  f"KL(induced ‖ target) {induced or 0.0:.4f} nats per tested position")
     return 0
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -27,7 +26,7 @@ if TYPE_CHECKING:  # annotations only
 
 METHODS = ("sps", "tas", "cactus")
 
-_TAS_LOG_EPS = 1e-5  # Medusa / vLLM entropy guard inside the TAS threshold
+TAS_LOG_EPS = 1e-5  # Medusa / vLLM entropy guard inside the TAS threshold
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ class VerifyResult:
     draft_token_probs: torch.Tensor  # [B, K]: D_i(x_i)
     gamma: torch.Tensor  # [B, K]: h_i(x_i), the raised target prob (= T_i(x_i) for SpS)
     acceptance_probs: torch.Tensor  # [B, K]: P(accept x_i | x_i)
-    kl: torch.Tensor  # [B, K]: KL(h_i || T_i) spent at position i, nats
+    kl: torch.Tensor  # [B, K]: Cactus's constraint KL(h_i || T_i) at position i, nats (0 for SpS and TAS)
     target_entropy: torch.Tensor  # [B, K+1]: H(T_i), nats
     draws: RandomDraws
     next_target_probs: torch.Tensor  # [B]: T of next_tokens at their position (T_{k+1})
@@ -144,7 +143,7 @@ def cactus_h(target_probs: torch.Tensor, token: torch.Tensor, gamma: torch.Tenso
 
 def tas_threshold(target_probs: torch.Tensor, posterior_threshold: float, posterior_alpha: float) -> torch.Tensor:
     """min(ε, α · exp(−H(T))) with Medusa's entropy H = −Σ T log(T + 1e-5)."""
-    h = -(target_probs * torch.log(target_probs + _TAS_LOG_EPS)).sum(dim=-1)
+    h = -(target_probs * torch.log(target_probs + TAS_LOG_EPS)).sum(dim=-1)
     return torch.minimum(torch.full_like(h, posterior_threshold), posterior_alpha * torch.exp(-h))
 
 
@@ -209,9 +208,7 @@ def verify(
         accepted = t_x > threshold
         gamma = accepted.float()
         acceptance_probs = accepted.float()
-        # h is a point mass: on x_i if accepted, on argmax T_i if rejected (Cactus Prop. 4 reading).
-        t_max = tested_target.max(dim=-1).values
-        kl = -torch.log(torch.where(accepted, t_x, t_max).clamp_min(1e-30))
+        kl = torch.zeros_like(t_x)  # TAS enforces no divergence constraint
     else:
         gamma = cactus_gamma(t_x, delta) if method == "cactus" else t_x
         # A drafted token always has D_i(x_i) > 0; the clamp only guards hand-made inputs.
@@ -354,17 +351,15 @@ def induced_distribution(
     delta: float = 1.0,
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
-    max_support: int | None = None,
     chunk: int = 256,
 ) -> torch.Tensor:
     """Exact distribution [V] of the first token a round emits, marginalised over the drafted token.
 
     P(v) = D(v)·a(v) + Σ_n D(n)·(1 − a(n))·g_n(v), with a(n) the acceptance probability of drafted
-    n and g_n the normalised recovery distribution after rejecting n. SpS gives T exactly; TAS is
-    O(V). Cactus's h depends on n, so the sum runs over the draft's support in chunks
-    (O(|supp D| · V)). `max_support` bounds that work: the rejection terms of drafted tokens beyond
-    the `max_support` most likely ones are then approximated by the SpS residual, and a warning
-    says how much probability mass that approximation covers.
+    n and g_n the normalised recovery distribution after rejecting n, written out literally: the
+    reference the tests hold the sampler and `engine.divergence` (the O(V log V) form the
+    playground and the benchmark use) to. SpS gives T exactly; TAS is O(V). Cactus's h depends on n,
+    so the sum runs over the draft's support in chunks (O(|supp D| · V)).
     """
     _check(method, target_probs.view(1, 1, -1).expand(1, 2, -1), draft_probs.view(1, 1, -1),
            torch.zeros(1, 1, dtype=torch.long), delta, posterior_threshold, posterior_alpha)
@@ -374,33 +369,22 @@ def induced_distribution(
         accept = t > tas_threshold(t, posterior_threshold, posterior_alpha)
         out = torch.where(accept, d, 0.0)
         out[t.argmax()] += (d * (~accept).double()).sum()
-        return out.float()
+        return out
     if method == "sps":
         # P(reject) = Σ max(T − D, 0) is the residual's own normaliser, so the sum is T exactly.
-        return (torch.minimum(t, d) + (t - d).clamp_min(0.0)).float()
+        return torch.minimum(t, d) + (t - d).clamp_min(0.0)
     support = torch.nonzero(d > 0).squeeze(-1)
-    support = support[torch.argsort(d[support], descending=True)]
     gamma_all = cactus_gamma(t, delta)
     accept_all = torch.where(d > 0, torch.clamp(gamma_all / d.clamp_min(1e-300), max=1.0), 0.0)
     out = d * accept_all
-    exact, tail = (support, support[:0]) if max_support is None else (support[:max_support], support[max_support:])
-    for start in range(0, exact.numel(), chunk):
-        n = exact[start:start + chunk]
+    for start in range(0, support.numel(), chunk):
+        n = support[start:start + chunk]
         h = cactus_h(t.expand(n.numel(), -1), n, gamma_all[n])
         residual = (h - d).clamp_min(0.0)
         z = residual.sum(dim=-1, keepdim=True)
         g = torch.where(z > 0, residual / z.clamp_min(1e-300), h)
         out += ((d[n] * (1.0 - accept_all[n])).unsqueeze(-1) * g).sum(dim=0)
-    if tail.numel():
-        tail_mass = (d[tail] * (1.0 - accept_all[tail])).sum()
-        warnings.warn(
-            f"induced_distribution truncated to the {max_support} most likely draft tokens; "
-            f"{float(tail_mass):.3g} of probability mass uses the SpS residual as an approximation",
-            stacklevel=2,
-        )
-        residual = (t - d).clamp_min(0.0)
-        out += tail_mass * residual / residual.sum().clamp_min(1e-300)
-    return out.float()
+    return out
 
 
 def kl_divergence(p: torch.Tensor, q: torch.Tensor) -> float:

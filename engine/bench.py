@@ -32,8 +32,8 @@ from transformers import GenerationConfig
 from engine.cli import add_spec_arguments, spec_config_from_args
 from engine.config import DECODE_METHODS, SSD_BACKUPS, SSD_FANOUT_MODES, SpecConfig
 from engine.decoding import describe_device, generate
-from engine.events import FinishEvent
-from engine.metrics import ROUND_PHASES
+from engine.events import FinishEvent, TokenEvent
+from engine.metrics import ROUND_PHASES, DivergenceTally
 from engine.models.embedded import gguf_path
 from engine.models.fast_llama import WEIGHT_DTYPES
 from engine.models.registry import BACKENDS, DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS, GENERIC_K, PAIRS, ModelPair, load_pair
@@ -45,7 +45,7 @@ PEER_METHODS = ("hf-ar", "hf-assisted", "llama.cpp")
 UNDRAFTED = ("ar", "hf-ar", "llama.cpp")  # rows that do not depend on K
 SSD_METHOD = "ssd"
 SUM_KEYS = ("new_tokens", "num_rounds", "target_forwards", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-            "kl_total", "elapsed_seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "overhead_seconds")
+            "elapsed_seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "overhead_seconds")
 # --profile: ms per round of each round phase (engine.metrics.ROUND_PHASES), then the decoding
 # time outside every round (the consumer between rounds, the final text decode).
 PROFILE_COLUMNS = ROUND_PHASES + ("between_rounds",)
@@ -63,17 +63,25 @@ def run_engine(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: 
     draft = None if method == "ar" else pair.make_drafter(drafter, backend, weight_dtype)
     phases = dict.fromkeys(PROFILE_COLUMNS, 0.0)
     eos = frozenset() if ignore_eos else pair.eos_token_ids
+    divergence = DivergenceTally()
     for i, ids in enumerate(prompts):
         run_cfg = replace(cfg, method=method, seed=cfg.seed + i)
-        finish = next(e for e in generate(target, draft, pair.tokenizer, ids, run_cfg, eos_token_ids=eos)
-                      if isinstance(e, FinishEvent))
+        tested = []  # kept for the divergence, computed after the generation so it is not timed
+        for event in generate(target, draft, pair.tokenizer, ids, run_cfg, eos_token_ids=eos):
+            if isinstance(event, TokenEvent) and event.draft_prob is not None:
+                tested.append(event)
+            elif isinstance(event, FinishEvent):
+                finish = event
+        for token in tested:
+            divergence.add(token)
         for key in SUM_KEYS:
             totals[key] += finish.metrics[key]
         for phase, seconds in finish.metrics["phase_seconds"].items():
             phases[phase] += seconds
         phases["between_rounds"] += finish.metrics["between_rounds_seconds"]
     profile = {phase: 1e3 * seconds / max(totals["num_rounds"], 1) for phase, seconds in phases.items()}
-    return _derive(totals, describe_device(target)) | {"backend": target.backend_label, "profile_ms_per_round": profile,
+    return _derive(totals, describe_device(target)) | {"mean_induced_kl": divergence.summary()["mean_induced_kl"],
+                                                       "backend": target.backend_label, "profile_ms_per_round": profile,
                                                        "prefill_ms": 1e3 * totals["prefill_seconds"] / len(prompts)}
 
 
@@ -87,7 +95,6 @@ def _derive(t: dict, devices: str) -> dict:
         "mean_acceptance_length": 1 + t["num_accepted_tokens"] / drafts if drafts else None,
         "draft_acceptance_rate": t["num_accepted_tokens"] / drafted if drafted else None,
         "target_forwards_per_token": t["target_forwards"] / new if new else None,
-        "mean_kl_per_token": t["kl_total"] / new if new else None,
         "overhead_fraction": t["overhead_seconds"] / rounds_time if rounds_time else None,
         "draft_ms_per_token": 1e3 * t["draft_seconds"] / drafted if drafted else None,
         "verify_ms_per_round": 1e3 * t["verify_seconds"] / t["target_forwards"] if t["target_forwards"] else None,
@@ -117,10 +124,14 @@ def run_ssd(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: Spe
     projected = {"projected_tokens_per_s": 0.0, "model_tokens_per_s": 0.0}  # Σ seconds each model gives
     fill = {"mean_budget_used": 0.0, "mean_budget_requested": 0.0, "mean_cache_depth": 0.0}
     eos = frozenset() if ignore_eos else pair.eos_token_ids
+    divergence = DivergenceTally()
     for start in range(0, len(prompts), batch_size):
         run_cfg = replace(cfg, method=rule, seed=cfg.seed + start)
-        finishes = [e for e in engine.generate(prompts[start:start + batch_size], run_cfg, eos_token_ids=eos)
-                    if isinstance(e, FinishEvent)]
+        events = list(engine.generate(prompts[start:start + batch_size], run_cfg, eos_token_ids=eos))
+        finishes = [e for e in events if isinstance(e, FinishEvent)]
+        for event in events:
+            if isinstance(event, TokenEvent):
+                divergence.add(event)
         for i, finish in enumerate(finishes):
             for k in SUM_KEYS:  # the batch shares one clock: count its time once
                 if i == 0 or k not in ("elapsed_seconds", "prefill_seconds"):
@@ -134,7 +145,8 @@ def run_ssd(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: Spe
             projected[name] += batch_tokens / m[name] if m[name] else 0.0
         for name in fill:
             fill[name] += m[name] * m["cache_lookups"]
-    row = _derive(totals, engine.devices()) | {"backend": f"{engine.info.backend if engine.info else backend}"}
+    row = _derive(totals, engine.devices()) | {"backend": f"{engine.info.backend if engine.info else backend}",
+                                               "mean_induced_kl": divergence.summary()["mean_induced_kl"]}
     # A projection, never a measurement: this run's trace with the target at its full-machine speed
     # (engine.ssd.projection); model_tokens_per_s is the same model at the measured speed, its check.
     rates = {name: totals["new_tokens"] / seconds if seconds else None for name, seconds in projected.items()}
@@ -206,7 +218,7 @@ def run_peer(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: Sp
         "mean_acceptance_length": new / rounds if assisted else None,
         "draft_acceptance_rate": (new - rounds) / (rounds * cfg.num_speculative_tokens) if assisted else None,
         "target_forwards_per_token": rounds / new if new and rounds else None,
-        "mean_kl_per_token": None,
+        "mean_induced_kl": None,
         "devices": f"cpu ({torch.get_num_threads()} threads)",
         "backend": "transformers generate()",
     }
@@ -255,7 +267,7 @@ def run_llama_cpp(pair: ModelPair, method: str, prompts: Sequence[list[int]], cf
         elapsed += time.perf_counter() - start
     return {"new_tokens": int(new), "tokens_per_s": new / elapsed, "decode_tokens_per_s": new / (elapsed - prefill),
             "mean_acceptance_length": None,
-            "draft_acceptance_rate": None, "target_forwards_per_token": None, "mean_kl_per_token": None,
+            "draft_acceptance_rate": None, "target_forwards_per_token": None, "mean_induced_kl": None,
             "devices": f"cpu ({torch.get_num_threads()} threads)", "backend": "llama.cpp (GGUF Q4_1)"}
 
 
@@ -406,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         row["speedup_vs_ar"] = row["tokens_per_s"] / base if base else None
     table = pd.DataFrame(rows).set_index("label")
     cols = ["tokens_per_s", "speedup_vs_ar", "new_tokens", "mean_acceptance_length", "draft_acceptance_rate",
-            "target_forwards_per_token", "mean_kl_per_token", "overhead_fraction", "draft_ms_per_token",
+            "target_forwards_per_token", "mean_induced_kl", "overhead_fraction", "draft_ms_per_token",
             "verify_ms_per_round", "cache_hit_rate", "mean_budget_used", "mean_cache_depth", "projected_tokens_per_s",
             "model_tokens_per_s", "theoretical_speedup", "measured_speedup", "backend", "devices"]
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3f}".format):

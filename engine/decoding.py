@@ -17,17 +17,18 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.acceptance import RandomDraws, RoundVerdict, cactus_h, verify_logits
+from engine.acceptance import RandomDraws, RoundVerdict, verify_logits
 from engine.config import SpecConfig
 from engine.detokenize import IncrementalDetokenizer
 from engine.drafters import Drafter, Proposal
-from engine.events import Candidate, FinishEvent, RoundEvent, StartEvent, TokenDetails, TokenEvent
+from engine.divergence import PositionDivergence, RuleSettings, position_divergence, tas_threshold
+from engine.events import Candidate, FinishEvent, PositionTest, RoundEvent, StartEvent, TokenDetails, TokenEvent
 from engine.metrics import PhaseClock, SpecMetrics
 from engine.models.causal_lm import CausalLM
-from engine.sampling import dense_probs
 
 Event = StartEvent | TokenEvent | RoundEvent | FinishEvent
 
@@ -147,7 +148,7 @@ def generate(
             accepted_positions=tuple(result.passed[:counted]),
             rejected_token_id=rejected,
             rejected_text=None if rejected is None else tokenizer.decode([rejected]),
-            kl=sum(e.kl for e in token_events),
+            constraint_kl=sum(e.constraint_kl for e in token_events),
             draft_seconds=draft_seconds,
             verify_seconds=verify_seconds,
             target_forwards=int(bool(feed)),
@@ -215,7 +216,7 @@ def _token_events(cfg: SpecConfig, result: RoundVerdict, support: tuple[torch.Te
             draft_prob=(result.draft_token_probs[pos] if accepted else result.next_draft_prob) if tested else None,
             acceptance_prob=result.acceptance_probs_values[pos] if tested else None,
             gamma=result.gamma_values[pos] if tested and cactus else None,
-            kl=result.kl_values[pos] if tested else 0.0,
+            constraint_kl=result.kl_values[pos] if tested else 0.0,
             target_entropy=result.entropy_values[pos],
             details=details,
         ))
@@ -223,48 +224,133 @@ def _token_events(cfg: SpecConfig, result: RoundVerdict, support: tuple[torch.Te
 
 
 class _RoundDetails(TokenDetails):
-    """One round's text pieces and inspector candidates, computed on first read.
+    """One round's text pieces, inspector candidates, divergences and tests, computed on first read.
 
-    Candidates need the round's full distributions, so they are built for every position of the
-    round at once (under a lock: the UI may read from another thread) and the rows are then let go.
+    The round's rows (target T_i under the sampling settings, draft D_i) stay referenced until a
+    reader asks for any of the derived values; then everything is computed at once in numpy (under
+    a lock: the UI reads from its own threads, where torch would open a second OpenMP team) and the
+    rows are let go.
     """
 
     def __init__(self, detok: IncrementalDetokenizer, cfg: SpecConfig, result: RoundVerdict,
                  support: tuple[torch.Tensor | None, torch.Tensor], proposal: Proposal,
                  tokenizer: PreTrainedTokenizerBase) -> None:
         self._detok = detok
-        self._rows = (cfg, result, support, proposal, tokenizer) if cfg.inspect_top_n else None
-        self._candidates: list[tuple[Candidate, ...]] | None = None
+        self._rows: tuple | None = (cfg, result, support, proposal, tokenizer)
+        self._candidates: list[tuple[Candidate, ...]] = []
+        self._divergences: list[PositionDivergence] = []
+        self._tests: tuple[PositionTest, ...] = ()
         self._lock = threading.Lock()
 
     def text(self, index: int) -> str:
         return self._detok.piece(index)
 
     def candidates(self, position: int) -> tuple[Candidate, ...]:
+        self._derive()
+        return self._candidates[position] if position < len(self._candidates) else ()
+
+    def divergence(self, position: int) -> PositionDivergence | None:
+        self._derive()
+        return self._divergences[position] if position < len(self._divergences) else None
+
+    def tests(self) -> tuple[PositionTest, ...]:
+        self._derive()
+        return self._tests
+
+    def _derive(self) -> None:
         with self._lock:
-            if self._candidates is None:
-                if self._rows is None:
-                    return ()
-                cfg, result, (ids, probs), proposal, tokenizer = self._rows
-                target_probs = dense_probs(ids, probs, proposal.vocab_size)
-                self._candidates = [_candidates(cfg, result, target_probs, proposal, pos, tokenizer)
-                                    for pos in range(target_probs.shape[0])]
-                self._rows = None
-            return self._candidates[position]
+            if self._rows is None:
+                return
+            cfg, result, (ids, probs), proposal, tokenizer = self._rows
+            self._rows = None
+            rows = RoundRows.of(ids, probs, proposal)
+            rule = RuleSettings.from_config(cfg.as_dict())
+            tested = range(min(result.accepted_count + 1, len(proposal.tokens)))
+            self._divergences = [position_divergence(rule, *rows.on_union(pos)) for pos in tested]
+            self._tests = _position_tests(cfg, result, rows, proposal.tokens, tokenizer)
+            if cfg.inspect_top_n:
+                self._candidates = [_candidates(cfg, result, rows, proposal.tokens, pos, tokenizer)
+                                    for pos in range(rows.positions)]
 
 
-def _candidates(cfg: SpecConfig, result: RoundVerdict, target_probs: torch.Tensor, proposal: Proposal, pos: int,
+class RoundRows:
+    """A round's target rows T_1..T_{K+1} and draft rows D_1..D_K as numpy (dense or sparse per side)."""
+
+    def __init__(self, target: tuple[np.ndarray | None, np.ndarray], draft: tuple[np.ndarray | None, np.ndarray],
+                 vocab_size: int) -> None:
+        self.target, self.draft, self.vocab_size = target, draft, vocab_size
+        self.positions = target[1].shape[0]
+
+    @staticmethod
+    def of(ids: torch.Tensor | None, probs: torch.Tensor, proposal: Proposal) -> "RoundRows":
+        def numpy(t: torch.Tensor | None) -> np.ndarray | None:
+            return None if t is None else t.detach().cpu().numpy()
+
+        draft = proposal.support if proposal.support is not None else (None, proposal.probs)
+        return RoundRows((numpy(ids), numpy(probs).astype(np.float64)),
+                         (numpy(draft[0]), numpy(draft[1]).astype(np.float64)), proposal.vocab_size)
+
+    def on_union(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """T_pos and D_pos on the union of their supports (the whole vocabulary if either is dense)."""
+        (t_ids, t_probs), (d_ids, d_probs) = self.target, self.draft
+        if t_ids is None or d_ids is None:
+            return self.dense_target(pos), self.dense_draft(pos)
+        support = np.union1d(t_ids[pos], d_ids[pos])
+        return (_scatter(support, t_ids[pos], t_probs[pos]), _scatter(support, d_ids[pos], d_probs[pos]))
+
+    def dense_target(self, pos: int) -> np.ndarray:
+        return self._dense(*self.target, pos)
+
+    def dense_draft(self, pos: int) -> np.ndarray:
+        if pos >= self.draft[1].shape[0]:
+            return np.zeros(self.vocab_size)
+        return self._dense(*self.draft, pos)
+
+    def _dense(self, ids: np.ndarray | None, probs: np.ndarray, pos: int) -> np.ndarray:
+        if ids is None:
+            return probs[pos]
+        return _scatter(np.arange(self.vocab_size), ids[pos], probs[pos])
+
+
+def _scatter(support: np.ndarray, ids: np.ndarray, probs: np.ndarray) -> np.ndarray:
+    out = np.zeros(support.shape[0])
+    np.add.at(out, np.searchsorted(support, ids), probs)
+    return out
+
+
+def _position_tests(cfg: SpecConfig, result: RoundVerdict, rows: RoundRows, tokens: list[int],
+                    tokenizer: PreTrainedTokenizerBase) -> tuple[PositionTest, ...]:
+    tas = cfg.method == "tas"
+    rule = RuleSettings.from_config(cfg.as_dict())
+    u_accept = result.draws.u_accept.reshape(-1).tolist()
+    tests = []
+    for pos, token in enumerate(tokens):
+        threshold = tas_threshold(rule, rows.target[1][pos]) if tas else None
+        tests.append(PositionTest(
+            position=pos + 1, token_id=token, text=tokenizer.decode([token]),
+            target_prob=result.target_token_probs[pos], draft_prob=result.draft_token_probs[pos],
+            gamma=None if tas else result.gamma_values[pos], acceptance_prob=result.acceptance_probs_values[pos],
+            u=None if tas else u_accept[pos], threshold=threshold, passed=result.passed[pos]))
+    return tuple(tests)
+
+
+def _candidates(cfg: SpecConfig, result: RoundVerdict, rows: RoundRows, tokens: list[int], pos: int,
                 tokenizer: PreTrainedTokenizerBase) -> tuple[Candidate, ...]:
     """Top candidates at one position with target, draft, h and residual probabilities."""
-    t = target_probs[pos]
-    tested = pos < len(proposal.tokens)
-    d = proposal.probs[pos] if tested else torch.zeros_like(t)
+    t = rows.dense_target(pos)
+    tested = pos < len(tokens)
+    d = rows.dense_draft(pos)
     h = t
     if tested and cfg.method == "cactus":
-        h = cactus_h(t, torch.tensor(proposal.tokens[pos], device=t.device), torch.tensor(result.gamma_values[pos], device=t.device))
-    residual = (h - d).clamp_min(0.0)
-    residual = residual / residual.sum().clamp_min(1e-30)
-    top = torch.topk(t + d, min(cfg.inspect_top_n, t.numel())).indices.tolist()
+        x, gamma = tokens[pos], result.gamma_values[pos]
+        h = t * (1.0 - gamma) / (1.0 - t[x]) if t[x] < 1.0 else t.copy()
+        h[x] = gamma
+    residual = np.maximum(h - d, 0.0)
+    residual = residual / max(float(residual.sum()), 1e-30)
+    n = min(cfg.inspect_top_n, t.shape[0])
+    score = t + d
+    top = np.argpartition(-score, n - 1)[:n]
+    top = top[np.argsort(-score[top], kind="stable")].tolist()
     return tuple(
         Candidate(i, tokenizer.decode([i]), float(t[i]), float(d[i]), float(h[i]), float(residual[i])) for i in top
     )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.divergence import PositionDivergence
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -23,6 +25,22 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class PositionTest:
+    """The acceptance test at one drafted position, with every number needed to redo it by hand."""
+
+    position: int  # 1-based position inside the round
+    token_id: int  # the drafted token x
+    text: str
+    target_prob: float  # T(x)
+    draft_prob: float  # D(x)
+    gamma: float | None  # the mass the test grants x: T(x) for SpS, Cactus's γ = h(x); None for TAS
+    acceptance_prob: float  # P(accept x) = min(1, γ/D(x)); 1 or 0 for TAS
+    u: float | None  # the uniform the test drew, kept iff u < P(accept); None for TAS (deterministic)
+    threshold: float | None  # TAS only: min(ε, α·e^(−H(T))) with Medusa's H, kept iff T(x) > it
+    passed: bool  # the test's outcome (positions after the first rejection are tested but not kept)
+
+
+@dataclass(frozen=True)
 class StartEvent:
     prompt_tokens: int
     prefill_seconds: float
@@ -33,9 +51,10 @@ class StartEvent:
 
 
 class TokenDetails:
-    """What a token event computes only when a consumer asks: its decoded text and its inspector
-    candidates. Building them for every token cost more than the rule itself, and the benchmark
-    never reads them; the decoding loop hands each round's tokens one shared instance."""
+    """What a token event computes only when a consumer asks: its decoded text, its inspector
+    candidates, the exact divergence at its position and the round's acceptance tests. Building
+    them for every token cost more than the rule itself, and the benchmark never reads them; the
+    decoding loop hands each round's tokens one shared instance, computed on the reader's thread."""
 
     def text(self, index: int) -> str:
         """The decoded piece of generated token `index`."""
@@ -43,6 +62,14 @@ class TokenDetails:
 
     def candidates(self, position: int) -> tuple[Candidate, ...]:
         """Inspector rows of the round's token at 0-based `position`."""
+        return ()
+
+    def divergence(self, position: int) -> PositionDivergence | None:
+        """The exact divergences at 0-based `position` when it was tested, else None."""
+        return None
+
+    def tests(self) -> tuple[PositionTest, ...]:
+        """The round's acceptance test at every drafted position, in order."""
         return ()
 
 
@@ -57,7 +84,7 @@ class TokenEvent:
     draft_prob: float | None  # D of the emitted token (None for bonus/generated)
     acceptance_prob: float | None  # P(accept) of the drafted token tested here
     gamma: float | None  # Cactus h(x) of the drafted token tested here
-    kl: float  # KL(h || T) spent at this position, nats
+    constraint_kl: float  # Cactus: KL(h || T) of the tested draft, the per-step constraint δ bounds; 0 otherwise
     target_entropy: float  # H(T) at this position, nats
     sequence: int = 0  # row of the batch (SSD decodes several sequences together)
     details: TokenDetails = field(default_factory=TokenDetails, repr=False, compare=False)
@@ -72,6 +99,16 @@ class TokenEvent:
         """Top candidates for the token inspector (() unless the config's inspect_top_n asked)."""
         return self.details.candidates(self.draft_position - 1)
 
+    @property
+    def divergence(self) -> PositionDivergence | None:
+        """KL(induced ‖ T) and KL(D ‖ T) at this position (None unless the rule tested a draft here)."""
+        return self.details.divergence(self.draft_position - 1)
+
+    @property
+    def round_tests(self) -> tuple[PositionTest, ...]:
+        """The acceptance tests of this token's round (shared by the round's tokens)."""
+        return self.details.tests()
+
 
 @dataclass(frozen=True)
 class RoundEvent:
@@ -85,7 +122,7 @@ class RoundEvent:
     accepted_positions: tuple[bool, ...]  # per drafted position: passed its test (before the cut)
     rejected_token_id: int | None
     rejected_text: str | None
-    kl: float  # KL spent by the emitted tokens of this round
+    constraint_kl: float  # Σ of the round's tokens' constraint_kl (Cactus only)
     draft_seconds: float
     verify_seconds: float
     target_forwards: int  # 0 when the prefill already gave this round's only target position

@@ -3,6 +3,8 @@
 `mean_acceptance_length` = 1 + accepted / drafts (counts the recovered/bonus token);
 `draft_acceptance_rate` = accepted / drafted; `acceptance_histogram[j]` = rounds that accepted
 exactly j drafts; `per_position_acceptance_rate[i]` = rounds whose position i+1 was kept / drafts.
+Divergence is `DivergenceTally`'s: the exact KL(induced ‖ target) per tested position
+(`engine.divergence`), read from the token events by whoever reports it.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.events import RoundEvent
+from engine.events import RoundEvent, TokenEvent
 from engine.ssd.theory import ssd_speedup
 
 # Where a round's wall time goes, in loop order. The two *_forward phases are the models' own
@@ -60,7 +62,7 @@ class SpecMetrics:
     slots_in_drafted_rounds: int = 0  # Σ (k + 1) over drafted rounds, for system_efficiency
     accepted_per_pos: list[int] = field(default_factory=list)
     histogram: list[int] = field(default_factory=list)
-    kl_total: float = 0.0
+    constraint_kl_total: float = 0.0  # Cactus: Σ KL(h‖T) over tested positions
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     round_seconds: float = 0.0
@@ -72,7 +74,7 @@ class SpecMetrics:
         self.new_tokens += event.num_emitted
         self.num_rounds += 1
         self.target_forwards += event.target_forwards
-        self.kl_total += event.kl
+        self.constraint_kl_total += event.constraint_kl
         self.draft_seconds += event.draft_seconds
         self.verify_seconds += event.verify_seconds
         self.round_seconds += event.round_seconds
@@ -107,8 +109,7 @@ class SpecMetrics:
             "system_efficiency": self.emitted_in_drafted_rounds / self.slots_in_drafted_rounds if drafts else None,
             "target_forwards": self.target_forwards,
             "target_forwards_per_token": self.target_forwards / self.new_tokens if self.new_tokens else None,
-            "kl_total": self.kl_total,
-            "mean_kl_per_token": self.kl_total / self.new_tokens if self.new_tokens else 0.0,
+            "constraint_kl_total": self.constraint_kl_total,
             "elapsed_seconds": elapsed_seconds,
             "prefill_seconds": prefill_seconds,
             "tokens_per_s": self.new_tokens / elapsed_seconds if elapsed_seconds > 0 else None,
@@ -120,6 +121,38 @@ class SpecMetrics:
             "phase_seconds": dict(self.phase_seconds),
             # decoding time outside every round: the consumer's work between rounds, handing events over
             "between_rounds_seconds": max(decode_seconds - self.round_seconds, 0.0),
+        }
+
+
+@dataclass
+class DivergenceTally:
+    """The exact divergence of a run's output, over the positions where a rule tested a draft.
+
+    `mean_induced_kl` is the headline: the mean over tested positions of KL(P ‖ T), P the
+    distribution the rule emits there. Bonus and AR tokens are drawn from T itself (KL 0) and are not
+    counted. `mean_draft_kl` is KL(D ‖ T) at the same positions: what sampling the draft alone would
+    cost, Cactus Theorem 3's ceiling D_f(D‖T) on the induced divergence.
+    """
+
+    tested_positions: int = 0
+    induced_kl_total: float = 0.0
+    draft_kl_total: float = 0.0
+
+    def add(self, token: TokenEvent) -> None:
+        divergence = token.divergence
+        if divergence is None:
+            return
+        self.tested_positions += 1
+        self.induced_kl_total += divergence.induced_kl
+        self.draft_kl_total += divergence.draft_kl
+
+    def summary(self) -> dict:
+        n = self.tested_positions
+        return {
+            "tested_positions": n,
+            "induced_kl_total": self.induced_kl_total,
+            "mean_induced_kl": self.induced_kl_total / n if n else None,
+            "mean_draft_kl": self.draft_kl_total / n if n else None,
         }
 
 

@@ -116,33 +116,58 @@ def _round_config(state: RunState, round_index: int) -> dict:
     return r.config if r is not None else state.config
 
 
+DIVERGENCE_CAPTION = {
+    "sps": "SpS is lossless: what it emits is T itself, so KL(induced ‖ T) is 0 at every tested position.",
+    "tas": "TAS keeps any draft with T(x) above its threshold and recovers with argmax T; it enforces no "
+           "divergence bound.",
+    "cactus": "Cactus keeps each position's raised h within δ (bars, the constraint); Theorem 3 bounds what it "
+              "emits by min(Γ(δ), KL(D ‖ T)), not by δ.",
+}
+INDUCED_COLOUR, DRAFT_COLOUR, CONSTRAINT_COLOUR = "#9467bd", "#7f7f7f", "#8c564b"
+
+
 def divergence_budget(state: RunState) -> go.Figure:
-    """Per-token KL(h‖T) spent, its running total, the per-token budget δ and the exact induced divergence."""
+    """Divergence from the target at every tested position: the exact KL(induced ‖ T) of what the rule
+    emits, KL(D ‖ T) of sampling the draft alone (Cactus Thm 3's ceiling) and, for Cactus, its
+    per-step constraint KL(h ‖ T) against δ. The running total of the induced divergence is on the right axis."""
     tokens = state.tokens[-MAX_TOKENS:]
-    if not tokens:
-        return _empty("Divergence budget", "KL(h‖T) each token spends; Cactus keeps it under δ, SpS spends none")
-    total = sum(t.kl for t in state.tokens[:len(state.tokens) - len(tokens)])
-    running = []
-    for t in tokens:
-        total += t.kl
-        running.append(total)
+    caption = DIVERGENCE_CAPTION.get(state.method, "")
+    if not any(t.index in state.divergence for t in tokens):
+        return _empty("Divergence from the target", caption or
+                      "exact KL(induced ‖ T) at every position a rule tests a draft; AR tests none")
     x = [t.index for t in tokens]
-    configs = [_round_config(state, t.round_index) for t in tokens]
-    traces = [{"type": "bar", "x": x, "y": [t.kl for t in tokens], "name": "KL(h‖T) per token",
-               "marker": {"color": "#8c564b"}}]
-    if any(c.get("method") == "cactus" for c in configs):
-        traces.append({"type": "scatter", "x": x, "y": [c.get("delta") for c in configs], "mode": "lines",
-                       "line": {"shape": "hv", "color": CHANGE_COLOUR, "dash": "dash"}, "name": "δ (per-token budget)"})
-    induced = [(i, state.induced[i]) for i in x if i in state.induced]
-    if induced:
-        exact = all(d.exact for _, d in induced)
-        traces.append({"type": "scatter", "x": [i for i, _ in induced], "y": [d.kl for _, d in induced],
-                       "mode": "markers", "name": "exact induced KL" if exact else "induced KL (top candidates)",
-                       "marker": {"symbol": "diamond", "size": 6, "color": "#9467bd"}})
-    traces.append({"type": "scatter", "x": x, "y": running, "mode": "lines", "name": "running total (right axis)",
-                   "yaxis": "y2", "line": {"color": "#333"}})
+    tested = [t for t in tokens if t.index in state.divergence]
+    configs = {t.index: _round_config(state, t.round_index) for t in tokens}
+    traces = []
+    if any(configs[t.index].get("method") == "cactus" for t in tested):
+        traces.append({"type": "bar", "x": [t.index for t in tested], "y": [t.constraint_kl for t in tested],
+                       "name": "KL(h ‖ T): Cactus's per-step constraint", "marker": {"color": CONSTRAINT_COLOUR},
+                       "opacity": 0.45})
+        traces.append({"type": "scatter", "x": x, "y": [configs[i].get("delta") for i in x], "mode": "lines",
+                       "line": {"shape": "hv", "color": CHANGE_COLOUR, "dash": "dash"},
+                       "name": "δ: the constraint's bound (second order, Cor. 5)"})
+    draft = [(t.index, state.divergence[t.index].draft_kl) for t in tested]
+    finite = [(i, v) for i, v in draft if v != float("inf")]
+    outside = len(draft) - len(finite)
+    traces.append({"type": "scatter", "x": [i for i, _ in finite], "y": [v for _, v in finite], "mode": "markers",
+                   "name": "KL(D ‖ T): the draft alone" + (" (Thm 3 ceiling)" if state.method == "cactus" else "")
+                   + (f"; ∞ at {outside} (D outside T's support)" if outside else ""),
+                   "marker": {"symbol": "x", "size": 5, "color": DRAFT_COLOUR}})
+    traces.append({"type": "scatter", "x": [t.index for t in tested],
+                   "y": [state.divergence[t.index].induced_kl for t in tested], "mode": "markers",
+                   "name": "KL(induced ‖ T): what is emitted (exact)",
+                   "marker": {"symbol": "diamond", "size": 7, "color": INDUCED_COLOUR}})
+    total, running = 0.0, []
+    for index, divergence in sorted(state.divergence.items()):
+        total += divergence.induced_kl
+        running.append((index, total))
+    shown = [(i, v) for i, v in running if i >= x[0]]
+    traces.append({"type": "scatter", "x": [i for i, _ in shown], "y": [v for _, v in shown], "mode": "lines",
+                   "name": "Σ KL(induced ‖ T) so far (right axis)", "yaxis": "y2", "line": {"color": "#333"}})
     shapes, notes = change_marks(state, "token", x[0] - 1)
-    return figure(traces, "Divergence budget", "token index", "nats per token", shapes=shapes, annotations=notes,
+    title = "Divergence from the target" + "".join(f"<br><sub>{line}</sub>" for line in textwrap.wrap(caption, 95))
+    return figure(traces, title, "token index", "nats at a tested position", shapes=shapes, annotations=notes,
+                  height=HEIGHT + 40, margin={"l": 50, "r": 50, "t": 75, "b": 40},
                   yaxis2={"overlaying": "y", "side": "right", "title": {"text": "total nats"}, "showgrid": False})
 
 
@@ -314,21 +339,31 @@ def pareto_front(points: Sequence[dict]) -> list[dict]:
     return front
 
 
-def pareto_figure(points: Sequence[dict]) -> go.Figure:
-    """Sweep result: acceptance against divergence, one line per method, the Pareto frontier dotted."""
+LABEL_SIDES = ("top center", "bottom center")
+
+
+def pareto_figure(points: Sequence[dict], note: str = "") -> go.Figure:
+    """Sweep result: acceptance against divergence, one line per method, the Pareto frontier dotted.
+
+    Point labels alternate above and below in order of divergence, so two points at nearly the same
+    place (ε = 0.3 and ε = 0.09 often are) never print their labels on top of each other."""
     if not points:
-        return _empty("Acceptance vs divergence", "run a sweep")
+        return _empty("Acceptance vs divergence", note or "run a sweep: each finished point appears here")
     colours = {"cactus": "#2ca02c", "tas": "#ff7f0e", "sps": "#1f77b4"}
+    order = sorted(range(len(points)), key=lambda i: (points[i]["divergence"], points[i]["mean_acceptance_length"]))
+    side = {i: LABEL_SIDES[rank % 2] for rank, i in enumerate(order)}
     traces = []
     for method in dict.fromkeys(p["method"] for p in points):
-        rows = sorted((p for p in points if p["method"] == method), key=lambda p: p["divergence"])
-        traces.append({"type": "scatter", "x": [p["divergence"] for p in rows],
-                       "y": [p["mean_acceptance_length"] for p in rows], "mode": "lines+markers+text", "name": method,
-                       "text": [p["label"] for p in rows], "textposition": "top center", "textfont": {"size": 9},
+        rows = sorted((i for i, p in enumerate(points) if p["method"] == method), key=lambda i: points[i]["divergence"])
+        traces.append({"type": "scatter", "x": [points[i]["divergence"] for i in rows],
+                       "y": [points[i]["mean_acceptance_length"] for i in rows], "mode": "lines+markers+text",
+                       "name": method, "text": [points[i]["label"] for i in rows],
+                       "textposition": [side[i] for i in rows], "textfont": {"size": 9},
                        "marker": {"color": colours.get(method), "size": 9}})
     frontier = pareto_front(points)
     traces.append({"type": "scatter", "x": [p["divergence"] for p in frontier],
                    "y": [p["mean_acceptance_length"] for p in frontier], "mode": "lines", "name": "Pareto frontier",
                    "line": {"dash": "dot", "color": "#333"}})
-    return figure(traces, "Mean acceptance length vs induced divergence", "mean KL(induced ‖ target) per token, nats",
-                  "mean acceptance length", height=380)
+    title = "Mean acceptance length vs induced divergence" + (f"<br><sub>{note}</sub>" if note else "")
+    return figure(traces, title, "exact KL(induced ‖ T) per tested position, nats (mean)",
+                  "mean acceptance length", height=400, margin={"l": 50, "r": 20, "t": 60, "b": 40})

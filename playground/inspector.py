@@ -40,7 +40,7 @@ def inspect_figure(state: RunState, index: int) -> go.Figure:
 
 
 def inspect_markdown(state: RunState, index: int) -> str:
-    """The numbers behind the bars: acceptance probability, γ, KL spent, entropy."""
+    """The numbers behind the bars: acceptance probability, γ, the divergences at this position, entropy."""
     token = state.tokens[index]
     rnd = state.round_of(token.round_index)
     rows = [
@@ -56,10 +56,12 @@ def inspect_markdown(state: RunState, index: int) -> str:
         rows.append(("acceptance probability", f"{token.acceptance_prob:.4f} (of {tested})"))
     if token.gamma is not None:
         rows.append(("γ (Cactus raised T of the draft)", f"{token.gamma:.4f}"))
-    rows.append(("KL(h‖T) spent here", f"{token.kl:.4f} nats"))
-    if token.index in state.induced:
-        d = state.induced[token.index]
-        rows.append(("KL(induced‖T)", f"{d.kl:.4f} nats" + ("" if d.exact else " (over the kept candidates)")))
+    if token.gamma is not None:
+        rows.append(("Cactus's constraint KL(h‖T) here", f"{token.constraint_kl:.4f} nats (bounded by δ)"))
+    if token.index in state.divergence:
+        d = state.divergence[token.index]
+        rows.append(("KL(induced‖T) here", f"{d.induced_kl:.4f} nats (exact: what the rule emits at this position)"))
+        rows.append(("KL(D‖T) here", f"{d.draft_kl:.4f} nats (sampling the draft alone)"))
     rows.append(("target entropy H(T)", f"{token.target_entropy:.3f} nats"))
     if token.status == "recovered" and rnd is not None and rnd.rejected_text is not None:
         rows.append(("rejected draft", f"`{_shown(rnd.rejected_text)}` (id {rnd.rejected_token_id})"))

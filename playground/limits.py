@@ -107,10 +107,10 @@ def check_prompt_tokens(limits: Limits, prompt_ids: list[int]) -> list[int]:
 
 
 def inspector_width(vocab_size: int, top_k: int) -> int:
-    """Candidates kept per token: the whole vocabulary when small, else enough to cover top-k twice.
+    """Inspector rows kept per token: the whole vocabulary when small, else enough to cover top-k twice.
 
-    When the kept candidates hold all of the draft's and the target's mass, the exact induced
-    divergence computed from them is exact; otherwise the UI labels it approximate.
+    Only what the inspector and the Learn tab show: the divergences are computed on the full
+    distributions (`engine.divergence`), never on these rows.
     """
     if 0 < top_k <= 64:
         return min(vocab_size, 2 * top_k)

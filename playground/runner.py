@@ -12,7 +12,7 @@ import io
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import pandas as pd
@@ -240,8 +240,9 @@ def compare_table(runs: dict[str, RunState]) -> pd.DataFrame:
             "x_ar": tps / ar_tps if ar_tps and tps else None,  # against the AR row of this same comparison
             "mean_acceptance_length": m.get("mean_acceptance_length"),
             "draft_acceptance_rate": m.get("draft_acceptance_rate"),
-            "mean_kl_per_token": m.get("mean_kl_per_token"),
             "mean_induced_kl": m.get("mean_induced_kl"),
+            "mean_draft_kl": m.get("mean_draft_kl"),
+            "constraint_kl_total": m.get("constraint_kl_total") if method == "cactus" else None,
             "cache_hit_rate": m.get("cache_hit_rate"),
             "first_difference": first_difference(reference, run.token_ids),
             "finish": run.finish.reason if run.finish else ("error: " + run.error if run.error else "running"),
@@ -255,13 +256,15 @@ def tokens_csv(runs: dict[str, RunState]) -> str:
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow(["method", "index", "token_id", "text", "status", "round", "draft_position", "target_prob",
-                     "draft_prob", "acceptance_prob", "gamma", "kl", "target_entropy", "induced_kl", "induced_exact"])
+                     "draft_prob", "acceptance_prob", "gamma", "constraint_kl", "target_entropy", "induced_kl",
+                     "draft_kl"])
     for method, run in runs.items():
         for t in run.tokens:
-            d = run.induced.get(t.index)
+            d = run.divergence.get(t.index)
             writer.writerow([method, t.index, t.token_id, t.text, t.status, t.round_index, t.draft_position,
-                             t.target_prob, t.draft_prob, t.acceptance_prob, t.gamma, t.kl, t.target_entropy,
-                             d.kl if d else None, d.exact if d else None])
+                             t.target_prob, t.draft_prob, t.acceptance_prob, t.gamma,
+                             t.constraint_kl if t.gamma is not None else None, t.target_entropy,
+                             d.induced_kl if d else None, d.draft_kl if d else None])
     return out.getvalue()
 
 
@@ -285,28 +288,32 @@ def sweep_points(delta_values: Sequence[float], epsilon_values: Sequence[float])
 
 
 def run_sweep(ctx: PlaygroundContext, cfg: SpecConfig, prompt_ids: Sequence[int],
-              points: Sequence[tuple[str, str, dict]], stop: threading.Event,
-              progress: Callable[[float, str], None] = lambda f, d: None) -> list[dict]:
-    """Acceptance and throughput against the exact induced divergence, one generation per point."""
+              points: Sequence[tuple[str, str, dict]], stop: threading.Event) -> Iterator[tuple[list[dict], str]]:
+    """Acceptance and throughput against the exact induced divergence, one generation per point.
+
+    Yields (finished points, what runs next) after every point, so a page shows them as they come and
+    Stop keeps them: a point cut short by Stop or the time limit is left out, not plotted half-done.
+    """
     deadline = time.monotonic() + ctx.limits.max_seconds
-    results = []
+    results: list[dict] = []
     for i, (method, label, overrides) in enumerate(points):
         if stop.is_set() or time.monotonic() > deadline:
             break
-        progress(i / len(points), f"{label} ({i + 1}/{len(points)})")
+        yield results, f"running {label} ({i + 1}/{len(points)})"
         control = ctx.with_inspector(replace(cfg, method=method, **overrides))
         run = RunState(method=method, config=control.as_dict())
         for _ in stream_run(ctx, control, prompt_ids, run, deadline, frame_seconds=0.5, outer_stop=stop):
             pass
+        if run.finish is None or run.finish.reason not in ("eos", "max_new_tokens"):
+            break
         m = summary(run)
         results.append({
             "method": method, "label": label, **overrides,
             "mean_acceptance_length": m.get("mean_acceptance_length") or 1.0,
             "draft_acceptance_rate": m.get("draft_acceptance_rate"),
             "tokens_per_s": m.get("decode_tokens_per_s"),
-            "mean_kl_per_token": m.get("mean_kl_per_token"),
             "divergence": m.get("mean_induced_kl") or 0.0,
-            "divergence_exact": m.get("induced_kl_exact"),
+            "tested_positions": m.get("tested_positions"),
         })
-    progress(1.0, "done")
-    return results
+    yield results, f"done: {len(results)} of {len(points)} points" + ("" if len(results) == len(points) else
+                                                                       " (stopped)")

@@ -2,8 +2,8 @@
 
 One `RunState` per run (per session, per compared method). Chart builders and the token inspector
 are pure functions of it, so they can be tested without a browser and redrawn at any rate. The
-exact induced-distribution divergence is computed here, once per round, from the candidates the
-engine attaches to each token (exact when they carry all the probability mass).
+exact divergence at each tested position (`engine.divergence`, on the full support of T and D) is
+read here from the round's token events, on the UI thread that folds them, never the engine's.
 """
 
 from __future__ import annotations
@@ -11,12 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from engine.acceptance import induced_distribution, kl_divergence
+from engine.divergence import PositionDivergence
 from engine.events import FinishEvent, RoundEvent, SSDRoundEvent, StartEvent, TokenEvent, WorkerEvent
-
-MASS_TOLERANCE = 1e-3  # candidates within this of total mass 1 count as the full distribution
+from engine.metrics import DivergenceTally
 
 # Colours shared by the token view, the legend and every chart.
 STATUS_COLOURS = {
@@ -54,12 +51,6 @@ class ConfigChange:
         return ", ".join(f"{names.get(k, k)} {old}→{new}" for k, (old, new) in self.changes.items())
 
 
-@dataclass(frozen=True)
-class InducedDivergence:
-    kl: float  # KL(induced || target) at a tested position, nats
-    exact: bool  # False when the candidates missed some mass (then it is over the kept candidates)
-
-
 @dataclass
 class RunState:
     method: str = ""
@@ -68,7 +59,8 @@ class RunState:
     tokens: list[TokenEvent] = field(default_factory=list)
     rounds: list[RoundEvent] = field(default_factory=list)
     changes: list[ConfigChange] = field(default_factory=list)
-    induced: dict[int, InducedDivergence] = field(default_factory=dict)  # token index -> divergence
+    divergence: dict[int, PositionDivergence] = field(default_factory=dict)  # tested token index -> divergence
+    tally: DivergenceTally = field(default_factory=DivergenceTally)
     finish: FinishEvent | None = None
     ssd_rounds: list[SSDRoundEvent] = field(default_factory=list)  # SSD only: cache and timeline per round
     worker_events: list[WorkerEvent] = field(default_factory=list)  # SSD only: worker started / degraded
@@ -113,36 +105,16 @@ def reduce(state: RunState, event: StartEvent | TokenEvent | RoundEvent | SSDRou
                 {name: (previous.get(name), event.config.get(name)) for name in changed},
             ))
         for token in state._pending:
-            divergence = induced_divergence(token, event.config)
+            divergence = token.divergence
             if divergence is not None:
-                state.induced[token.index] = divergence
+                state.divergence[token.index] = divergence
+                state.tally.add(token)
         state._pending.clear()
         state.rounds.append(event)
     elif isinstance(event, FinishEvent):
         state.finish = event
     state.version += 1
     return state
-
-
-def induced_divergence(token: TokenEvent, config: dict) -> InducedDivergence | None:
-    """KL(induced || target) of the first-token distribution at a tested position.
-
-    Uses `engine.acceptance.induced_distribution` on the candidates' target and draft
-    probabilities (renormalised when they do not cover all the mass, then flagged approximate).
-    """
-    if token.draft_prob is None or not token.candidates or config.get("method") not in ("sps", "tas", "cactus"):
-        return None
-    target = torch.tensor([c.target_prob for c in token.candidates], dtype=torch.float64)
-    draft = torch.tensor([c.draft_prob for c in token.candidates], dtype=torch.float64)
-    t_mass, d_mass = float(target.sum()), float(draft.sum())
-    if t_mass <= 0 or d_mass <= 0:
-        return None
-    exact = abs(t_mass - 1) < MASS_TOLERANCE and abs(d_mass - 1) < MASS_TOLERANCE
-    target, draft = target / t_mass, draft / d_mass
-    induced = induced_distribution(config["method"], target, draft, delta=float(config.get("delta", 0.0)),
-                                   posterior_threshold=float(config.get("posterior_threshold", 0.09)),
-                                   posterior_alpha=float(config.get("posterior_alpha", 0.3)))
-    return InducedDivergence(max(kl_divergence(induced, target), 0.0), exact)
 
 
 def highlighted_tokens(state: RunState) -> list[tuple[str, str | None]]:
@@ -167,7 +139,7 @@ def summary(state: RunState) -> dict:
             "num_rounds": len(state.rounds),
             "draft_acceptance_rate": accepted / drafted if drafted else None,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-            "kl_total": sum(r.kl for r in state.rounds),
+            "constraint_kl_total": sum(r.constraint_kl for r in state.rounds),
             "elapsed_seconds": elapsed,
             "tokens_per_s": len(state.tokens) / elapsed if elapsed > 0 else None,
         }
@@ -175,7 +147,5 @@ def summary(state: RunState) -> dict:
             last = state.ssd_rounds[-1]
             metrics.update(cache_hit_rate=last.hit_rate, theoretical_speedup=last.theoretical_speedup,
                            measured_speedup=last.measured_speedup)
-    exact = [d.kl for d in state.induced.values()]
-    metrics["mean_induced_kl"] = sum(exact) / len(exact) if exact else None
-    metrics["induced_kl_exact"] = all(d.exact for d in state.induced.values()) if exact else None
+    metrics.update(state.tally.summary())
     return metrics

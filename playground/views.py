@@ -36,7 +36,7 @@ def status_line(run: RunState, reference: ARReference | None) -> str:
         parts.append(f"mean acceptance length {m['mean_acceptance_length']:.2f}")
     if m.get("draft_acceptance_rate") is not None:
         parts.append(f"draft acceptance {m['draft_acceptance_rate']:.0%}")
-    parts.append(f"KL spent {m.get('kl_total', 0.0):.3f} nats")
+    parts.extend(divergence_parts(run.method, m))
     if m.get("cache_hit_rate") is not None:
         parts.append(f"SSD cache hit rate {m['cache_hit_rate']:.0%}")
     if any(w.kind == "degraded" for w in run.worker_events):
@@ -44,6 +44,17 @@ def status_line(run: RunState, reference: ARReference | None) -> str:
     if run.start:
         parts.append(f"{run.start.backend} on {run.start.devices}")  # e.g. fast/bfloat16 on cpu (2 threads)
     return " · ".join(parts)
+
+
+def divergence_parts(method: str, m: dict) -> list[str]:
+    """The status line's divergence: the exact induced KL per tested position, and Cactus's constraint."""
+    if not m.get("tested_positions"):
+        return []
+    parts = [f"KL(induced ‖ T) {m['mean_induced_kl']:.3f} nats per tested position, exact "
+             f"(Σ {m['induced_kl_total']:.2f} over {m['tested_positions']})"]
+    if method == "cactus":
+        parts.append(f"constraint Σ KL(h ‖ T) {m.get('constraint_kl_total', 0.0):.2f} nats")
+    return parts
 
 
 def details(run: RunState, reference: ARReference | None) -> dict:

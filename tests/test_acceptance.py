@@ -135,7 +135,7 @@ def test_verify_on_the_targets_support_equals_the_full_vocabulary(method):
 def test_sps_induced_distribution_is_the_target():
     gen = torch.Generator().manual_seed(5)
     target, draft = random_dists(gen, 2)
-    assert torch.allclose(induced_distribution("sps", target, draft), target, atol=1e-6)
+    assert torch.allclose(induced_distribution("sps", target, draft), target.double(), atol=1e-6)
 
 
 def test_tas_rule_on_hand_made_distributions():
@@ -152,8 +152,7 @@ def test_tas_rule_on_hand_made_distributions():
     r = verify("tas", target, draft, torch.tensor([[1, 2]]))
     assert r.accepted.tolist() == [[True, False]]
     assert r.num_accepted.item() == 1 and r.next_tokens.item() == 0
-    assert r.kl[0, 0].item() == pytest.approx(-math.log(0.3))  # point mass on the accepted token
-    assert r.kl[0, 1].item() == pytest.approx(-math.log(0.6))  # point mass on the argmax
+    assert bool((r.kl == 0).all())  # TAS enforces no divergence constraint: there is none to report
     # Deterministic: the draft probabilities and random draws do not matter.
     r2 = verify("tas", target, torch.rand(1, 2, 3), torch.tensor([[1, 2]]), generator=torch.Generator().manual_seed(9))
     assert r2.num_accepted.item() == 1 and r2.next_tokens.item() == 0
@@ -198,16 +197,6 @@ def test_batched_rows_are_independent():
                      draws=RandomDraws(draws.u_accept[i:i + 1], draws.u_sample[i:i + 1]))
         assert one.num_accepted.item() == batch.num_accepted[i].item()
         assert one.next_tokens.item() == batch.next_tokens[i].item()
-
-
-def test_induced_distribution_truncation_warns_and_stays_normalised():
-    gen = torch.Generator().manual_seed(4)
-    target, draft = random_dists(gen, 2, vocab=200, sharp=1.0)
-    exact = induced_distribution("cactus", target, draft, delta=0.5)
-    with pytest.warns(UserWarning, match="truncated"):
-        approx = induced_distribution("cactus", target, draft, delta=0.5, max_support=20)
-    assert approx.sum().item() == pytest.approx(1.0, abs=1e-4)
-    assert (approx - exact).abs().sum().item() < 0.05
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -14,13 +14,14 @@ def test_bench_writes_rows_for_every_method_and_peer(tmp_path, capsys):
     assert set(rows) == {"ar", "sps", "tas", "cactus", "hf-ar", "hf-assisted"}
     for row in rows.values():
         for key in ("tokens_per_s", "new_tokens", "mean_acceptance_length", "draft_acceptance_rate",
-                    "target_forwards_per_token", "mean_kl_per_token", "devices"):
+                    "target_forwards_per_token", "mean_induced_kl", "devices"):
             assert key in row, key
         assert row["tokens_per_s"] > 0 and row["new_tokens"] > 0
     # the prefill yields the first token, so n tokens take n - 1 decoding forwards (as in HF generate)
     n = rows["ar"]["new_tokens"]
     assert rows["ar"]["target_forwards_per_token"] == (n - 1) / n
-    assert rows["sps"]["mean_kl_per_token"] == 0.0
+    assert rows["sps"]["mean_induced_kl"] == 0.0  # lossless: exactly the target at every tested position
+    assert rows["ar"]["mean_induced_kl"] is None and rows["cactus"]["mean_induced_kl"] >= 0.0
     assert 0.0 <= rows["sps"]["draft_acceptance_rate"] <= 1.0
     assert "tokens_per_s" in capsys.readouterr().out
 

@@ -57,7 +57,7 @@ def test_event_stream_is_consistent(tiny_pair, backend):
             assert r.rejected_token_id is not None
     recovered = [t for t in tokens if t.status == "recovered"]
     assert recovered and all(t.gamma is not None and t.acceptance_prob < 1 for t in recovered)
-    assert fin.metrics["kl_total"] == pytest.approx(sum(t.kl for t in tokens))
+    assert fin.metrics["constraint_kl_total"] == pytest.approx(sum(t.constraint_kl for t in tokens))
     assert all(len(t.candidates) == 5 for t in tokens)
     assert "".join(t.text for t in tokens) == fin.text
 

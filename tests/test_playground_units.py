@@ -37,7 +37,7 @@ def test_reducer_charts_and_inspector(tiny_pair):
     state = _run(tiny_pair)
     assert len(highlighted_tokens(state)) == len(state.tokens) == 24
     m = summary(state)
-    assert m["induced_kl_exact"] is True and m["mean_induced_kl"] >= 0
+    assert m["tested_positions"] == len(state.divergence) > 0 and m["mean_induced_kl"] >= 0
     for fig in charts.live_figures(state, ar_baseline_tps=10.0):
         assert fig.layout.title.text
     assert len(charts.divergence_budget(state).data) >= 3

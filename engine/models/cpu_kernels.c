@@ -840,7 +840,7 @@ static float draft_at(const DraftRows *d, int64_t i, int64_t token) {
 // acceptance.verify for one sequence on the target's sparse rows (method 0 sps, 1 tas, 2 cactus).
 // t_ids, t_probs [k+1, w]: T_1..T_{k+1} (sample_support's layout; zeros allowed); the draft's D_i
 // as dense rows [k, vocab] (d_ids NULL, d_w = vocab) or sparse ones [k, d_w]; tokens, u_accept [k];
-// u_sample [1]. Outputs: stats [7, k+2], rows T_i(x_i), D_i(x_i), gamma, P(accept), KL spent (the
+// u_sample [1]. Outputs: stats [7, k+2], rows T_i(x_i), D_i(x_i), gamma, P(accept), Cactus's KL(h_i||T_i) (the
 // first k entries of each), H(T_i) (k+1 entries), then T and D (0 for a bonus) of the next token
 // at its position; accepted [k] (the test at every position, before the first-rejection cut);
 // out [2] = (accepted count, next token).
@@ -879,8 +879,7 @@ static void verify_support(int method, int64_t k, int64_t w, const int64_t *t_id
             const float threshold = posterior_threshold < relative ? posterior_threshold : relative;
             ok = q > threshold;
             gamma[i] = accept[i] = (float)ok;
-            const float kept = ok ? q : t_probs[i * w];  // h is a point mass: on x, or on argmax T
-            kl[i] = -logf(kept > 1e-30f ? kept : 1e-30f);
+            kl[i] = 0.0f;  // TAS enforces no divergence constraint
         } else {
             float g = q;
             if (method == 2) {

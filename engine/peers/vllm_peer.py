@@ -112,7 +112,7 @@ class VllmPeer:
                 "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
                 "draft_acceptance_rate": accepted / drafted if drafted else None,
                 "acceptance_per_position": [a / drafts for a in per_pos] if drafts else None,
-                "target_forwards_per_token": None, "mean_kl_per_token": None,
+                "target_forwards_per_token": None, "mean_induced_kl": None,
                 "k": k if method != "ar" else None, "delta": cfg.delta if method == "cactus" else None,
                 "devices": f"cpu (VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '0-1')})",
                 "backend": f"vLLM {answers[0]['vllm_version']} CPU, {self.dtype}, enforce_eager"

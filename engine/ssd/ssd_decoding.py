@@ -531,7 +531,7 @@ class SSDEngine:
             accepted_positions=tuple(bool(a) for a in v.result.accepted[0, :counted].tolist()),
             rejected_token_id=rejected,
             rejected_text=None if rejected is None else self.pair.tokenizer.decode([rejected]),
-            kl=sum(e.kl for e in token_events), draft_seconds=v.draft_seconds,
+            constraint_kl=sum(e.constraint_kl for e in token_events), draft_seconds=v.draft_seconds,
             verify_seconds=v.verify_seconds, target_forwards=int(v.fed),
             round_seconds=time.perf_counter() - round_start, elapsed_seconds=time.perf_counter() - start,
             config=cfg.as_dict(), config_changes=cfg.changed_fields(previous) if round_index else (),
