@@ -41,15 +41,15 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
     page = Page(ctx)
     with gr.Blocks(title="specplay — speculative decoding playground") as demo:
         gr.Markdown(header(ctx), elem_id="header")
-        with gr.Tabs():
+        with gr.Tabs() as tabs:
             with gr.Tab("Generate", id="generate"):
-                tab_generate.build(page, demo)
+                generate_controls = tab_generate.build(page, demo)
             with gr.Tab("Compare", id="compare"):
                 tab_compare.build(page)
             with gr.Tab("Sweep", id="sweep"):
                 tab_sweep.build(page)
             with gr.Tab("Learn", id="learn"):
-                tab_learn.build(page, demo)
+                tab_learn.build(page, demo, tabs, generate_controls)
 
         def health() -> str:
             reference = ctx.startup_reference

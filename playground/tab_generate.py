@@ -30,7 +30,7 @@ LIVE_CHART_IDS = ("chart-throughput", "chart-divergence")
 STATUS_EVERY = 3  # token-view frames per status-line update while streaming
 
 
-def build(page: Page, demo: gr.Blocks) -> None:
+def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
     ctx, limits, pair = page.ctx, page.limits, page.ctx.pair
     d = DEFAULT_SETTINGS
     start_k = min(pair.recommended_k(ctx.drafter_kind), limits.max_k)
@@ -255,3 +255,5 @@ def build(page: Page, demo: gr.Blocks) -> None:
     # The first screen: every chart titled, with a one-line hint, before any run (this also loads
     # Plotly before the first run instead of blocking the page when the first tokens arrive).
     demo.load(lambda: figures(RunState(), None), None, plots, api_visibility="private")
+    return {"prompt": prompt, "method": method, "k": k, "delta": delta, "temperature": temperature, "top_p": top_p,
+            "top_k": top_k, "posterior_threshold": eps, "posterior_alpha": alpha}
