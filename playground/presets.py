@@ -21,27 +21,48 @@ class Preset:
     top_k: int
     posterior_threshold: float
     posterior_alpha: float
-    look_for: str
+    claim: str  # the one thing the preset shows, true on the default pair (tests/test_presets.py)
+    look_for: str  # where on the page to see it
 
+
+STORY = "Tell me a bedtime story about a small dragon."
 
 PRESETS = {
     p.name: p for p in (
-        Preset("High-entropy prompt: TAS drifts, Cactus holds",
-               "Write a list of twenty random, unrelated words.", "tas", 4, 0.5, 1.0, 1.0, 0, 0.09, 0.3,
-               "A flat target makes TAS's threshold min(ε, α·e^{−H}) tiny, so it keeps drafts the target finds "
-               "unlikely and recovers with argmax T: watch its KL per token. Switch the method to Cactus: "
-               "each position may only spend δ nats."),
+        Preset("Paper sampling: Cactus keeps more and diverges less than TAS",
+               STORY, "cactus", 4, 1.0, 0.6, 0.95, 20, 0.09, 0.3,
+               "At the Cactus paper's sampling (T 0.6, top-p 0.95, top-k 20), Cactus with δ = 1 keeps at least as "
+               "many drafts as TAS (ε 0.09, α 0.3), and what it emits is closer to the target: on the default pair, "
+               "over four seeds, KL(induced ‖ T) is 0.15 nats per tested position for Cactus against 0.28 for "
+               "TAS, at draft acceptance 0.34 against 0.31.",
+               "Run it with Cactus, then switch the method to TAS and run again: compare the status line's "
+               "KL(induced ‖ T) and draft acceptance. A single seed can go either way; the claim is over several."),
+        Preset("No truncation at T = 1: Cactus lifts the tail",
+               STORY, "cactus", 4, 1.0, 1.0, 1.0, 0, 0.09, 0.3,
+               "Without top-k or top-p the target's tail is long, and γ = T + √(2δ·T(1−T)) lifts every tail token "
+               "the draft proposes far above its T (T = 0.001 becomes γ ≈ 0.046 at δ = 1). Cactus then keeps 0.83 of "
+               "its drafts against 0.26 for TAS, but what it emits diverges more (KL(induced ‖ T) 0.99 against 0.53 "
+               "nats, two seeds) and the text drifts. It still never exceeds Theorem 3's ceiling KL(D ‖ T) at any "
+               "position: δ bounds each step's KL(h ‖ T), not the output.",
+               "At the accept stage a tail draft has a tiny T(x) but a γ many times larger; on the Generate tab the "
+               "divergence chart's diamonds (induced) sit above the δ line and below the crosses (draft alone)."),
         Preset("Greedy: every rule is the same",
                "Explain why the sky is blue in simple terms.", "sps", 4, 1.0, 0.0, 1.0, 0, 0.09, 0.3,
-               "At temperature 0 both distributions are one-hot, so SpS, TAS and Cactus all reduce to "
-               "'keep the draft iff it equals the target's argmax'. KL stays 0."),
+               "At temperature 0 both distributions are one-hot, so SpS, TAS and Cactus all reduce to 'keep the "
+               "draft iff it is the target's argmax': the three emit the same tokens and KL(induced ‖ T) is 0.",
+               "Every P(accept) is 0 or 1, every recovery is the target's argmax; switch methods: nothing changes."),
         Preset("δ = 0: Cactus is SpS",
-               "Tell me a bedtime story about a small dragon.", "cactus", 4, 0.0, 0.8, 0.95, 40, 0.09, 0.3,
-               "γ = T(x) when δ = 0, so Cactus accepts with min(1, T/D) exactly like SpS and spends no KL."),
+               STORY, "cactus", 4, 0.0, 0.8, 0.95, 40, 0.09, 0.3,
+               "γ = T(x) when δ = 0, so Cactus accepts with min(1, T/D) exactly as SpS does: with the same seed it "
+               "emits the same tokens, and both have KL(induced ‖ T) = 0.",
+               "γ equals T(x) at every position and the residual is SpS's norm(max(T − D, 0))."),
         Preset("Long drafts: later positions collapse",
                "Write a Python function that checks whether a string is a palindrome.", "sps", 8, 1.0, 0.7, 0.95,
                40, 0.09, 0.3,
-               "With K = 8 a round stops at the first rejection, so position 8 is reached only if 1–7 all "
-               "passed: the acceptance-per-position chart falls off."),
+               "A round stops at its first rejection, so position i is reached only if positions 1 … i−1 all "
+               "passed: the share of rounds that keep position i falls with i, and position 8 is kept in less than "
+               "a tenth as many rounds as position 1.",
+               "The accept stage marks everything after the first rejection as not reached; on the Generate tab the "
+               "acceptance-per-position chart falls off."),
     )
 }
