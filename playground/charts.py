@@ -117,12 +117,13 @@ def _round_config(state: RunState, round_index: int) -> dict:
 
 
 DIVERGENCE_CAPTION = {
-    "sps": "SpS is lossless: what it emits is T itself, so KL(induced ‖ T) is 0 at every tested position.",
-    "tas": "TAS keeps any draft with T(x) above its threshold and recovers with argmax T; it enforces no "
+    "sps": "SpS is lossless: it emits T itself, so KL(induced ‖ T) = 0 at every tested position.",
+    "tas": "TAS keeps a draft whose T(x) passes its threshold and recovers with argmax T: it enforces no "
            "divergence bound.",
-    "cactus": "Cactus keeps each position's raised h within δ (bars, the constraint); Theorem 3 bounds what it "
-              "emits by min(Γ(δ), KL(D ‖ T)), not by δ.",
+    "cactus": "Bars: KL(h ‖ T), the per-step constraint δ bounds. Theorem 3 bounds what is emitted by "
+              "min(Γ(δ), KL(D ‖ T)), not by δ.",
 }
+CAPTION_WIDTH = 58  # characters per caption line: the chart is half the page wide
 INDUCED_COLOUR, DRAFT_COLOUR, CONSTRAINT_COLOUR = "#9467bd", "#7f7f7f", "#8c564b"
 
 
@@ -165,9 +166,11 @@ def divergence_budget(state: RunState) -> go.Figure:
     traces.append({"type": "scatter", "x": [i for i, _ in shown], "y": [v for _, v in shown], "mode": "lines",
                    "name": "Σ KL(induced ‖ T) so far (right axis)", "yaxis": "y2", "line": {"color": "#333"}})
     shapes, notes = change_marks(state, "token", x[0] - 1)
-    title = "Divergence from the target" + "".join(f"<br><sub>{line}</sub>" for line in textwrap.wrap(caption, 95))
+    lines = textwrap.wrap(caption, CAPTION_WIDTH)
+    title = "Divergence from the target" + "".join(f"<br><sub>{line}</sub>" for line in lines)
     return figure(traces, title, "token index", "nats at a tested position", shapes=shapes, annotations=notes,
-                  height=HEIGHT + 40, margin={"l": 50, "r": 50, "t": 75, "b": 40},
+                  height=HEIGHT + 150, margin={"l": 50, "r": 50, "t": 45 + 16 * len(lines), "b": 150},
+                  legend={"orientation": "h", "y": -0.22, "yanchor": "top", "font": {"size": 10}},
                   yaxis2={"overlaying": "y", "side": "right", "title": {"text": "total nats"}, "showgrid": False})
 
 

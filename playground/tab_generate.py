@@ -49,7 +49,7 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
                 resume_btn = gr.Button("Resume", size="sm", elem_id="resume-btn")
             gr.Markdown("**Live** (applies at the next round while generating):")
             k = gr.Slider(1, limits.max_k, value=start_k, step=1, label="K (draft tokens per round)", elem_id="k")
-            delta = gr.Slider(0, 5, value=d["delta"], step=0.05, label="δ (Cactus KL budget per token, nats)",
+            delta = gr.Slider(0, 5, value=d["delta"], step=0.05, label="δ (Cactus: bound on each step's KL(h‖T), nats)",
                               elem_id="delta")
             temperature = gr.Slider(0, limits.max_temperature, value=d["temperature"], step=0.05,
                                     label="temperature (0 = greedy)", elem_id="temperature")

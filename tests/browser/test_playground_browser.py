@@ -58,7 +58,7 @@ def test_generate_live_tune_inspect_and_compare(page):
     page.click("#generate-btn")
 
     expect(page.locator("#status")).to_contain_text("paused after round 0", timeout=60_000)
-    delta = page.get_by_label("number input for δ (Cactus KL budget per token, nats)")
+    delta = page.get_by_label("number input for δ (Cactus: bound on each step's KL(h‖T), nats)")
     delta.fill("0.3")
     delta.press("Enter")
     expect(page.locator("#live-msg")).to_contain_text("delta = 0.3")
@@ -118,3 +118,43 @@ def test_landing_page_charts_have_titles_and_hints_before_any_run(page):
         assert title and len(hint) > 20, (chart, title, hint)
     assert "SmolLM2" in page.locator("#header").inner_text() or "tiny" in page.locator("#header").inner_text()
     page.screenshot(path=str(ARTIFACTS / "playground-landing.png"))
+
+
+def _trace_names(page, elem_id: str) -> list[str]:
+    return page.evaluate(f"""() => {{
+        const el = document.querySelector('#{elem_id} .js-plotly-plot');
+        return el && el.data ? el.data.map(d => d.name || '') : []; }}""")
+
+
+def _set_slider(page, label: str, value: str) -> None:
+    box = page.get_by_label(f"number input for {label}")
+    box.fill(value)
+    box.press("Enter")
+
+
+@pytest.mark.parametrize("method, label", [("tas", "TAS (typical)"), ("cactus", "Cactus (KL budget)")])
+def test_divergence_chart_labels_what_it_draws(page, method, label):
+    """TAS: the induced divergence and the draft-alone reference, no KL(h‖T). Cactus: its per-step
+    constraint against δ, Theorem 3's ceiling and the induced divergence, each labelled."""
+    expect = sync_api.expect
+    page.fill("#prompt textarea", "Tell me a story about a lighthouse.")
+    page.get_by_label(label).check()
+    _set_slider(page, "temperature (0 = greedy)", "1")
+    _set_slider(page, "top-k (0 = off)", "0")
+    _set_slider(page, "top-p", "1")
+    _set_slider(page, "max new tokens", "96")
+    page.click("#generate-btn")
+    expect(page.locator("#status")).to_contain_text("finished", timeout=120_000)
+    expect(page.locator("#status")).to_contain_text("KL(induced ‖ T)")
+    page.wait_for_function("(() => { const e = document.querySelector('#chart-divergence .js-plotly-plot');"
+                           " return e && e.data && e.data.length >= 3; })()")
+    names = " | ".join(_trace_names(page, "chart-divergence"))
+    assert "KL(induced ‖ T): what is emitted (exact)" in names and "KL(D ‖ T): the draft alone" in names, names
+    if method == "cactus":
+        assert "KL(h ‖ T): Cactus's per-step constraint" in names and "Thm 3 ceiling" in names, names
+        expect(page.locator("#chart-divergence")).to_contain_text("min(Γ(δ)")
+    else:
+        assert "KL(h" not in names and "δ" not in names, names
+        expect(page.locator("#chart-divergence")).to_contain_text("threshold")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.locator("#chart-divergence").screenshot(path=str(ARTIFACTS / f"divergence-{method}.png"))
