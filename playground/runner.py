@@ -297,9 +297,9 @@ def run_sweep(ctx: PlaygroundContext, cfg: SpecConfig, prompt_ids: Sequence[int]
     deadline = time.monotonic() + ctx.limits.max_seconds
     results: list[dict] = []
     for i, (method, label, overrides) in enumerate(points):
+        yield results, f"running {label} ({i + 1}/{len(points)})"
         if stop.is_set() or time.monotonic() > deadline:
             break
-        yield results, f"running {label} ({i + 1}/{len(points)})"
         control = ctx.with_inspector(replace(cfg, method=method, **overrides))
         run = RunState(method=method, config=control.as_dict())
         for _ in stream_run(ctx, control, prompt_ids, run, deadline, frame_seconds=0.5, outer_stop=stop):

@@ -14,7 +14,8 @@ from playground import charts
 from playground.inspector import inspect_figure, inspect_markdown
 from playground.limits import Limits, build_config, inspector_width
 from playground.runner import (
-    ARReference, PlaygroundContext, compare_table, run_compare, start_run, start_session_run, stream_run, tokens_csv,
+    ARReference, PlaygroundContext, compare_table, run_compare, run_sweep, start_run, start_session_run, stream_run,
+    sweep_points, tokens_csv,
 )
 from playground.session import SessionStore, apply_live_change
 from playground.state import RunState, highlighted_tokens, reduce, summary
@@ -252,3 +253,29 @@ def test_compare_reports_x_ar_against_its_own_ar_row(tiny_pair):
     assert table.loc["ar", "x_ar"] == 1.0
     assert table.loc["sps", "x_ar"] == pytest.approx(table.loc["sps", "tokens_per_s"] / table.loc["ar", "tokens_per_s"],
                                                      rel=1e-3)
+
+
+def test_sweep_streams_points_and_stop_keeps_the_finished_ones(tiny_pair):
+    """Stop is pressed as the second point is announced: the first point stays, no other is plotted."""
+    ctx = PlaygroundContext("tiny", tiny_pair)
+    cfg = SpecConfig(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=12, seed=0)
+    stop = threading.Event()
+    seen = []
+    for results, note in run_sweep(ctx, cfg, tiny_pair.encode_prompt("hi"), sweep_points([0.5, 1.0], [0.09]), stop):
+        seen.append((len(results), note))
+        if len(results) == 1:
+            stop.set()
+    assert seen[0] == (0, "running SpS (1/4)") and seen[1] == (1, "running δ=0.5 (2/4)")
+    assert seen[-1] == (1, "done: 1 of 4 points (stopped)")
+    assert results[0]["label"] == "SpS" and results[0]["divergence"] == 0.0 and results[0]["tested_positions"] > 0
+    figure = charts.pareto_figure(results, note)
+    assert [trace.name for trace in figure.data] == ["sps", "Pareto frontier"]
+
+
+def test_sweep_labels_of_neighbouring_points_sit_on_opposite_sides():
+    points = [{"method": "tas", "label": "ε=0.3", "divergence": 0.20, "mean_acceptance_length": 1.50},
+              {"method": "tas", "label": "ε=0.09", "divergence": 0.21, "mean_acceptance_length": 1.51},
+              {"method": "cactus", "label": "δ=1", "divergence": 0.10, "mean_acceptance_length": 1.6}]
+    sides = {label: side for trace in charts.pareto_figure(points).data if trace.text
+             for label, side in zip(trace.text, trace.textposition)}
+    assert sides["ε=0.3"] != sides["ε=0.09"]
