@@ -1,4 +1,5 @@
-"""One playground server on the tiny pair for the live tests (API, load, browser), started once."""
+"""Playground servers for the live tests (API, load, browser), each started once per test session:
+the tiny pair for most tests, the default pair (SmolLM2-135M) only for the `slow` tests that ask for it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,21 +25,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def playground_url():
-    """Start `python app.py --pair tiny` on a free port; yield its URL; kill it after the session."""
+def _serve(pair: str, log_name: str) -> Iterator[str]:
+    """Start `python app.py --pair <pair> --devices cpu` on a free port; yield its URL; kill it afterwards."""
     port = _free_port()
     ARTIFACTS.mkdir(exist_ok=True)
-    log = open(ARTIFACTS / "playground-server.log", "w")
+    log_path = ARTIFACTS / log_name
+    log = open(log_path, "w")
     env = dict(os.environ, PYTHONUNBUFFERED="1", GRADIO_ANALYTICS_ENABLED="False")
-    proc = subprocess.Popen([sys.executable, "app.py", "--pair", "tiny", "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "app.py", "--pair", pair, "--host", "127.0.0.1", "--port", str(port),
                              "--devices", "cpu"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_SECONDS
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"playground exited with {proc.returncode}; see {ARTIFACTS / 'playground-server.log'}")
+                raise RuntimeError(f"playground exited with {proc.returncode}; see {log_path}")
             try:
                 with urllib.request.urlopen(url + "/", timeout=2) as response:
                     if response.status == 200:
@@ -45,7 +47,7 @@ def playground_url():
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError("playground did not start in time")
+                raise RuntimeError(f"playground did not start in time; see {log_path}")
             time.sleep(0.5)
         yield url
     finally:
@@ -55,3 +57,15 @@ def playground_url():
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def playground_url() -> Iterator[str]:
+    """The playground on the tiny pair."""
+    yield from _serve("tiny", "playground-server.log")
+
+
+@pytest.fixture(scope="session")
+def default_playground_url() -> Iterator[str]:
+    """The playground on the default pair, as deployed (only the `slow` tests that need it start it)."""
+    yield from _serve("default", "playground-server-default.log")
