@@ -62,10 +62,13 @@ def _hline(y: float, label: str, colour: str = "#555") -> tuple[dict, dict]:
 
 
 def change_marks(state: RunState, axis: str, lo: float = float("-inf")) -> tuple[list[dict], list[dict]]:
-    """Dotted vertical lines and labels where a live-tuning change took effect (axis: token | time)."""
+    """Dotted vertical lines and labels where a live-tuning change took effect
+    (axis: token index | round index | time in seconds | time in ms, all since the generation started)."""
+    position = {"token": lambda c: c.token_index - 0.5, "round": lambda c: c.round_index - 0.5,
+                "time": lambda c: c.elapsed_seconds, "ms": lambda c: c.elapsed_seconds * 1e3}[axis]
     shapes, notes = [], []
     for change in state.changes:
-        x = change.token_index - 0.5 if axis == "token" else change.elapsed_seconds
+        x = position(change)
         if x >= lo:
             shape, note = _vline(x, change.label)
             shapes.append(shape)
@@ -212,8 +215,10 @@ def ssd_timeline(state: RunState) -> go.Figure:
             "hovertemplate": "%{text}: %{x:.1f} ms<extra>" + lane + "</extra>", "textposition": "none",
         })
     devices = state.start.devices if state.start else ""
+    first = min((s.start for r in rounds for s in r.timeline), default=0.0)
+    shapes, notes = change_marks(state, "ms", first * 1e3)
     return figure(traces, f"SSD timeline (last {len(rounds)} rounds, {devices}): draft fills while the target verifies",
-                  "ms since start", "", barmode="overlay")
+                  "ms since start", "", barmode="overlay", shapes=shapes, annotations=notes)
 
 
 def draft_verify_timeline(state: RunState) -> go.Figure:
@@ -264,7 +269,8 @@ def ssd_cache_hits(state: RunState) -> go.Figure:
     title = f"SSD cache: hit rate {hit} (green hit, red miss → backup, grey synchronous){per}"
     annotations = [{"text": notes[-1][:120], "showarrow": False, "x": 0, "y": 1.0, "xref": "paper", "yref": "paper",
                     "xanchor": "left", "font": {"size": 10, "color": CHANGE_COLOUR}}] if notes else []
-    return figure([trace], title, "round", "tokens emitted", annotations=annotations)
+    shapes, marks = change_marks(state, "round", rounds[0].round_index - 0.5)
+    return figure([trace], title, "round", "tokens emitted", shapes=shapes, annotations=annotations + marks)
 
 
 def ssd_speedup(state: RunState) -> go.Figure:
@@ -281,9 +287,10 @@ def ssd_speedup(state: RunState) -> go.Figure:
     ]
     r = rounds[-1].rates
     shape, note = _hline(1.0, "one token per verification", "#aaaaaa")
+    shapes, notes = change_marks(state, "round", x[0] - 0.5)
     t_p, t_b = r.get("t_p"), r.get("t_b")
     return figure(traces, f"SSD speedup: T_p={t_p or 0:.2f}, T_b={t_b or 0:.2f}, backup {r.get('backup')}, "
-                  f"r={r.get('power_r', 0):.2f}", "round", "speedup", shapes=[shape], annotations=[note])
+                  f"r={r.get('power_r', 0):.2f}", "round", "speedup", shapes=[shape, *shapes], annotations=[note, *notes])
 
 
 def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:

@@ -25,7 +25,7 @@ def build(page: Page) -> None:
         "finished ones."
     )
     with gr.Row():
-        s_prompt = gr.Textbox(label="Prompt", value="Write a list of twenty random, unrelated words.",
+        s_prompt = gr.Textbox(label="Prompt", value="Tell me a bedtime story about a small dragon.",
                               lines=2, scale=3)
         s_deltas = gr.Textbox(label="δ values (Cactus)", value="0.1, 0.5, 1, 2")
         s_eps = gr.Textbox(label="ε values (TAS)", value="0.3, 0.09, 0.03")
