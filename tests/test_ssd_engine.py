@@ -254,7 +254,7 @@ class _SlowDrafter:
 class _InThreadWorker(SSDEngine):
     """The real worker loop (engine.ssd.worker._serve) in a thread of this process, with a slow drafter."""
 
-    step_delay = 0.1
+    step_delay = 0.25  # far above a tiny-target verification, with room for a loaded machine (0.1 s failed at load 9)
 
     def start(self):
         self.close()
