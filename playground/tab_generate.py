@@ -201,7 +201,10 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
                 apply_live_change(session.control, name, value, limits.max_k)
             except ValueError as err:
                 return f"⚠️ not applied: {err}"
-            when = "applies at the next round" if session.run.running else "used by the next run"
+            run = session.run
+            when = ("used by the next run" if not run.running else
+                    "applies within two rounds: SSD asks its worker for a round's speculation one round ahead"
+                    if run.method == "ssd" else "applies at the next round")
             return f"{name} = {value} ({when})"
         return live
 
