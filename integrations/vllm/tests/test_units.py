@@ -46,27 +46,30 @@ def test_top_k_on_a_step_without_drafts_is_broken_here_and_guarded():
 
 
 def test_rule_output_layout_matches_vllm_contract_on_a_mixed_batch():
-    """Rows with 2, 0 and 2 drafts, the middle one greedy: accepted drafts, then one token, then -1."""
+    """Rows with 2, 0 and 2 drafts, the middle one greedy, the outer two with their own rules:
+    accepted drafts, then one token, then -1, each row as the engine's `verify` decides it."""
     gen = torch.Generator().manual_seed(3)
     vocab = 11
     logits = torch.randn(4, vocab, generator=gen)
     draft_probs = torch.softmax(torch.randn(4, vocab, generator=gen), -1)
     drafts = torch.tensor([3, 4, 5, 6])
     bonus = torch.tensor([[1], [2], [9]])
-    generators = {0: torch.Generator().manual_seed(5)}
-    out = rule_rejection_sample(RuleSettings("cactus", delta=0.5), drafts, [2, 0, 2], 2, draft_probs, logits, bonus,
+    rules = [RuleSettings("cactus", delta=0.5), RuleSettings(), RuleSettings("tas", posterior_threshold=0.2)]
+    generators = {0: torch.Generator().manual_seed(5), 2: torch.Generator().manual_seed(6)}
+    out = rule_rejection_sample(rules, drafts, [2, 0, 2], 2, draft_probs, logits, bonus,
                                 torch.tensor([False, True, False]), generators)
     assert out.shape == (3, 3) and out.dtype == torch.int32
     assert out[1].tolist() == [2, -1, -1]  # no drafts: only the bonus token
-    # Row 0 replayed through the engine's rule with the same generator gives the same tokens.
-    g = torch.Generator().manual_seed(5)
-    u = torch.rand(3, generator=g, dtype=torch.float64).float()
-    t = torch.cat([logits[:2].softmax(-1), torch.nn.functional.one_hot(torch.tensor(1), vocab)[None].float()])
-    ref = verify("cactus", t[None], draft_probs[None, :2], drafts[None, :2], delta=0.5,
-                 draws=RandomDraws(u[None, :2], u[2:]))
-    k = int(ref.num_accepted)
-    assert out[0, :k].tolist() == drafts[:k].tolist() and int(out[0, k]) == int(ref.next_tokens)
-    assert (out[0, k + 1:] == -1).all()
+    # Rows 0 and 2 replayed through the engine's rule with the same generator give the same tokens.
+    for row, seed, flat, rule in ((0, 5, slice(0, 2), rules[0]), (2, 6, slice(2, 4), rules[2])):
+        u = torch.rand(3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float()
+        bonus_row = torch.nn.functional.one_hot(bonus[row, 0], vocab)[None].float()
+        t = torch.cat([logits[flat].softmax(-1), bonus_row])
+        ref = verify(rule.rule, t[None], draft_probs[None, flat], drafts[None, flat], delta=rule.delta,
+                     posterior_threshold=rule.posterior_threshold, draws=RandomDraws(u[None, :2], u[2:]))
+        k = int(ref.num_accepted)
+        assert out[row, :k].tolist() == drafts[flat][:k].tolist() and int(out[row, k]) == int(ref.next_tokens)
+        assert (out[row, k + 1:] == -1).all()
 
 
 def test_settings_come_from_the_environment_and_reject_bad_values():
@@ -77,6 +80,25 @@ def test_settings_come_from_the_environment_and_reject_bad_values():
         RuleSettings.from_env({"SPECPLAY_VLLM_RULE": "typical"})
     with pytest.raises(ValueError, match="DELTA"):
         RuleSettings.from_env({"SPECPLAY_VLLM_DELTA": "-1"})
+
+
+def test_a_request_overrides_the_default_rule_and_bad_values_are_refused_when_built():
+    from vllm import SamplingParams
+
+    from specplay_vllm import plugin, settings
+
+    default = RuleSettings("tas", delta=2.0)
+    overrides = settings.request_overrides({"specplay_rule": "Cactus", "specplay_delta": 1, "kv_transfer_params": {}})
+    assert settings.for_request(overrides, default) == RuleSettings("cactus", delta=1.0)
+    assert settings.for_request(settings.request_overrides(None), default) is default
+    plugin.register()
+    SamplingParams(extra_args={"specplay_rule": "sps"})
+    with pytest.raises(ValueError, match="specplay_rule"):
+        SamplingParams(extra_args={"specplay_rule": "typical"})
+    with pytest.raises(ValueError, match="specplay_delta"):
+        SamplingParams(extra_args={"specplay_delta": -1.0})
+    with pytest.raises(ValueError, match="specplay_delta must be a number"):
+        SamplingParams(extra_args={"specplay_delta": "1"})
 
 
 def test_export_holds_our_weights_under_vllm_names():
