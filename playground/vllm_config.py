@@ -5,7 +5,7 @@ by `bash integrations/vllm/install.sh` into its own venv) adds both as vLLM V1 r
 rule from `SPECPLAY_VLLM_*` environment variables. The default pair's feature draft runs as
 vLLM's EAGLE method from its export (`python -m specplay_vllm.export_draft --head reduced`, done
 by the install script), against the converted default target, so both paths in the snippet are
-real folders on this machine. integrations/vllm/tests runs the snippet this module prints.
+real folders on this machine. A request may also pick its own rule (`extra_args`, shown as a comment). integrations/vllm/tests runs the snippet this module prints.
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ import json
 import shlex
 
 from engine.config import SpecConfig
-from engine.peers.vllm_peer import PLUGIN_DIR, exported_draft_dir, plugin_env
+from engine.peers.vllm_peer import ENV_RULE, PLUGIN_DIR, exported_draft_dir, plugin_env
 
 EXAMPLE_PROMPT = "Tell me a story"
+# An explicit KV cache: without it vLLM's CPU backend demands that 92 % of the machine's memory be
+# free at start-up, which a shared machine often is not (and it skips vLLM's profiling warm-up).
+KV_CACHE_BYTES = 2 << 30
 
 
 def speculative_config(cfg: SpecConfig, draft_model: str, drafter: str = "model") -> dict | None:
@@ -55,6 +58,15 @@ def _paths(target_model: str, draft_model: str, drafter: str) -> tuple[str, str]
     return str(embedded_target_dir()), str(exported_draft_dir("reduced"))
 
 
+def _request_rule(cfg: SpecConfig) -> dict:
+    """The plugin's per-request override (SamplingParams.extra_args) for `cfg`'s rule."""
+    rule = plugin_env(cfg)[ENV_RULE]
+    knobs = {"cactus": {"specplay_delta": float(cfg.delta)},
+             "tas": {"specplay_posterior_threshold": float(cfg.posterior_threshold),
+                     "specplay_posterior_alpha": float(cfg.posterior_alpha)}}
+    return {"specplay_rule": rule, **knobs.get(rule, {})}
+
+
 def speculative_config_text(cfg: SpecConfig, target_model: str, draft_model: str, drafter: str = "model") -> str:
     """A Python script (plus the `vllm serve` equivalent) that runs these settings in the plugin's venv."""
     target, draft = _paths(target_model, draft_model, drafter)
@@ -68,13 +80,16 @@ def speculative_config_text(cfg: SpecConfig, target_model: str, draft_model: str
     return (
         f"# {speculative_config_note(cfg)}\n"
         f"# Run with {PLUGIN_DIR / '.venv' / 'bin' / 'python'} (bash integrations/vllm/install.sh makes it).\n"
-        f"# Server: {serve_env} vllm serve {shlex.quote(target)} --enforce-eager{serve_spec}\n"
+        f"# Server: {serve_env} vllm serve {shlex.quote(target)} --enforce-eager "
+        f"--kv-cache-memory-bytes {KV_CACHE_BYTES}{serve_spec}\n"
         "import os\n"
         f"os.environ.update({json.dumps(env)})\n"
         "from vllm import LLM, SamplingParams\n\n"
         "if __name__ == \"__main__\":  # vLLM spawns its engine processes\n"
-        f"    llm = LLM(model={target!r}, enforce_eager=True{spec_arg})\n"
+        f"    llm = LLM(model={target!r}, enforce_eager=True, kv_cache_memory_bytes={KV_CACHE_BYTES}{spec_arg})\n"
         f"    params = SamplingParams(**{json.dumps(sampling)})\n"
+        + (f"    # one request's own rule instead: SamplingParams(..., extra_args={json.dumps(_request_rule(cfg))})\n"
+           if spec else "") +
         f"    out = llm.chat([{{\"role\": \"user\", \"content\": {EXAMPLE_PROMPT!r}}}], params)\n"
         "    print(out[0].outputs[0].text)\n"
     )
