@@ -76,7 +76,7 @@ def run(models, preset: Preset, seeds=(0,), max_new_tokens: int = 256, **overrid
 
 
 def test_paper_sampling_cactus_keeps_as_much_and_diverges_less(models):
-    preset = PRESETS["Paper sampling: Cactus keeps more and diverges less than TAS"]
+    preset = PRESETS["Paper sampling: as many drafts kept, half TAS's divergence"]
     seeds = (0, 1, 2, 3)
     cactus = run(models, preset, seeds)
     tas = run(models, preset, seeds, method="tas")
@@ -118,7 +118,7 @@ def test_long_drafts_later_positions_collapse(models):
 
 
 def test_every_preset_has_a_checked_claim():
-    checked = {"Paper sampling: Cactus keeps more and diverges less than TAS",
+    checked = {"Paper sampling: as many drafts kept, half TAS's divergence",
                "No truncation at T = 1: Cactus lifts the tail", "Greedy: every rule is the same",
                "δ = 0: Cactus is SpS", "Long drafts: later positions collapse"}
     assert set(PRESETS) == checked
