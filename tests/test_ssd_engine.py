@@ -13,7 +13,7 @@ from engine.config import SpecConfig
 from engine.decoding import generate
 from engine.events import FinishEvent, RoundEvent, SSDRoundEvent, StartEvent, TokenEvent, WorkerEvent
 from engine.sampling import SamplingParams, logits_to_probs
-from engine.ssd.ssd_decoding import SSDEngine
+from engine.ssd.ssd_decoding import SSDEngine, WorkerLost
 from engine.ssd.worker import WorkerInfo, _serve
 from tests.stats import matches
 
@@ -301,3 +301,23 @@ def test_bench_ssd_row_reports_the_projection_next_to_its_check_and_the_budget_u
     assert "(1 threads)" in sps["devices"] and ssd["new_tokens"] == sps["new_tokens"] == 24
     assert ssd["projected_tokens_per_s"] > 0 and ssd["model_tokens_per_s"] > 0
     assert 0 <= ssd["mean_budget_used"] <= ssd["mean_budget_requested"] == 9 and ssd["mean_cache_depth"] <= 2
+
+
+@pytest.mark.slow
+def test_a_worker_lost_before_it_reports_in_degrades_with_the_feature_draft(default_pair, monkeypatch):
+    """The default pair's draft reads target features. If the worker never comes up, nothing says the
+    draft needs them yet; the synchronous fallback must still get the prompt's features."""
+    prompt = default_pair.encode_prompt("What is the capital of France?")
+
+    def lost(self):
+        raise WorkerLost("draft worker did not start (simulated)")
+
+    monkeypatch.setattr(SSDEngine, "start", lost)
+    with SSDEngine(default_pair, target_device="cpu:0", draft_device="cpu:1") as eng:
+        events = list(eng.generate([prompt], SpecConfig(max_new_tokens=16, temperature=0.0,
+                                                        num_speculative_tokens=2)))
+    assert [e.kind for e in events if isinstance(e, WorkerEvent)] == ["degraded"]
+    fin = finishes(events)[0]
+    assert fin.token_ids == ar_tokens(default_pair, prompt, 16)
+    drafted = [e for e in events if isinstance(e, RoundEvent)]
+    assert sum(r.num_accepted for r in drafted) > 0  # the draft saw the features: greedy drafts get kept

@@ -455,13 +455,22 @@ class SSDEngine:
         return request
 
     def _degrade(self, rows: list[_Row]) -> None:
-        """Local drafters in this process, brought up to date with every target feature seen so far."""
+        """Local drafters in this process, brought up to date with every target feature seen so far.
+
+        A worker lost before it reported in never said its draft reads target features, so none were
+        kept: that can only happen before the first round, and the prompt is then prefilled again
+        with its features (the same logits: the target is deterministic).
+        """
         for row in rows:
             if row.local_drafter is None:
                 row.local_drafter = self.pair.make_drafter(self.spec.kind, self.backend, self.weight_dtype)
                 row.local_drafter.start()
                 if row.local_drafter.needs_target_features:
                     row.target.keep_hidden = True
+                    if not row.hidden:
+                        row.target.reset()
+                        row.pending_logits = row.target.forward(row.context)
+                        row.hidden.append((0, row.target.last_hidden))
                     for start, hidden in row.hidden:
                         row.local_drafter.observe_target(start, hidden)
 
