@@ -11,6 +11,7 @@ known, so the draft never drifts from the target's view of the committed text.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -20,6 +21,22 @@ from engine.models.causal_lm import CausalLM
 from engine.models.fast_llama import PackedLinear
 from engine.models.feature_draft import FeatureDraft
 from engine.sampling import SamplingParams, dense_probs, logits_to_probs, sample_from, sample_sparse, sparse_probs
+
+
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _packed(draft: FeatureDraft, dtype: str, full_head: bool, vocab_size: int) -> tuple[PackedLinear, PackedLinear]:
+    """The draft's fc and head in the fast backend's format, built once per draft and format: packing
+    them (q4_1's exact-block search) took 250 ms, paid by every playground run that made a drafter."""
+    per_draft = _PACKED.setdefault(draft, {})
+    key = (dtype, full_head, vocab_size)
+    if key not in per_draft:
+        head = draft.head_weight[:vocab_size]
+        with torch.no_grad():
+            per_draft[key] = (PackedLinear(draft.fc.weight, dtype),
+                              PackedLinear(head if full_head else head[draft.vocab_ids], dtype))
+    return per_draft[key]
 
 
 class FeatureDrafter(Drafter):
@@ -32,12 +49,9 @@ class FeatureDrafter(Drafter):
         self.name = name
         self.vocab_size = vocab_size
         dtype = getattr(lm, "weight_dtype", "float32")
-        head = draft.head_weight[:vocab_size]
         self.head_ids = None if full_head else draft.vocab_ids
-        with torch.no_grad():
-            self.embed = draft.model.model.embed_tokens.weight.detach()
-            self.fc = PackedLinear(draft.fc.weight, dtype)
-            self.head = PackedLinear(head if full_head else head[draft.vocab_ids], dtype)
+        self.embed = draft.model.model.embed_tokens.weight.detach()
+        self.fc, self.head = _packed(draft, dtype, full_head, vocab_size)
         # Real target features f_0..f_{F-1} in the first F rows of a buffer that doubles when full
         # (appending by concatenation would copy the whole history every round).
         self._feature_rows = torch.empty(256, self.embed.shape[1])
