@@ -118,7 +118,15 @@ def follow(ctx: PlaygroundContext, handle: RunHandle, *, frame_seconds: float = 
     runs on unseen; `outer_stop` is a whole-job Stop (compare, sweep) forwarded to the run.
     """
     loop = ctx.loop_for(ssd)
+    def first_round(h: RunHandle) -> bool:
+        return h.rounds_done > 0 or h.parked or h.done.is_set()
+
     try:
+        # The first tokens go out the moment the first round ends, not at the next frame tick.
+        while not handle.wait(first_round, frame_seconds):
+            if outer_stop is not None and outer_stop.is_set():
+                loop.stop(handle)
+        yield handle.state()
         while not handle.done.wait(frame_seconds):
             if outer_stop is not None and outer_stop.is_set():
                 loop.stop(handle)
