@@ -33,6 +33,7 @@ class Session:
     ar_reference: object | None = None  # runner.ARReference from this session's own AR run
     run: RunState = field(default_factory=RunState)
     rendered_version: tuple | None = None  # (RunState.version, streaming) the browser last got charts for
+    chart_turn: int = 0  # which live chart the next streaming tick redraws (one per tick)
     tutor: RunHandle | None = None  # the Learn tab's paused run on the engine thread
     tutor_state: RunState = field(default_factory=RunState)
     tutor_stage: int = 0

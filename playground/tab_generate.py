@@ -22,7 +22,7 @@ from playground.vllm_config import speculative_config_text
 
 # Chromium shares the machine with the engine: every chart redraw is CPU taken from the engine's
 # OpenMP team (measured with playground.browser_bench). So while a run streams, only the two key
-# charts next to the tokens redraw, once a second; all seven redraw when it pauses or ends.
+# charts next to the tokens redraw, one of them a second in turn; all seven redraw when it pauses or ends.
 CHART_HZ = 1.0
 CHART_IDS = ("chart-per-position", "chart-histogram", "chart-divergence", "chart-throughput", "chart-timeline",
              "chart-ssd", "chart-speedup")
@@ -133,8 +133,16 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
         if not force and (run.version, streaming) == session.rendered_version:
             return [gr.skip()] * len(plots)
         session.rendered_version = (run.version, streaming)
-        return [fig if not streaming or p.elem_id in LIVE_CHART_IDS else gr.skip()
-                for p, fig in zip(plots, figures(run, ctx.reference_for(session)))]
+        if not streaming:
+            return figures(run, ctx.reference_for(session))
+        # While tokens stream, one live chart per tick: a Plotly redraw blocks the page's main thread
+        # (~150 ms each on 2 cores), and two in one tick held the token view for over 0.3 s.
+        live = LIVE_CHART_IDS[session.chart_turn % len(LIVE_CHART_IDS)]
+        session.chart_turn += 1
+        reference = ctx.reference_for(session)
+        figure = charts.throughput(run, reference.tokens_per_s if reference else None) \
+            if live == "chart-throughput" else charts.divergence_budget(run)
+        return [figure if p.elem_id == live else gr.skip() for p in plots]
 
     def final_charts(request: gr.Request):
         return [*render_charts(request, force=True), gr.Timer(active=False)]
