@@ -6,7 +6,8 @@ main thread with the page's inspector width, and (2) the same request through a 
 server (`python app.py`) in headless Debian Chromium via Playwright, timing the token view in the
 page itself (a MutationObserver stamps every change of the token count with performance.now()).
 It prints medians of: engine-only decode tok/s; the page's tok/s (the engine's own decode rate as
-the page ran it, shown in its status line); their ratio; the rate the browser saw tokens arrive;
+the page ran it, shown in its status line); their ratio; "× AR" as the engine alone gives it and as
+the page's status line reads it (against this session's own AR run, when AR is among the methods); the rate the browser saw tokens arrive;
 time to first token (click to first token drawn); the longest gap between token-view updates
 after the first token; the longest main-thread task Chromium reported.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -119,7 +121,9 @@ def page_run(page, method: str) -> dict:
     times = [t for t, _ in marks]
     gaps = [b - a for a, b in zip(times, times[1:])]
     span = (times[-1] - times[0]) / 1e3 if len(times) > 1 else 0.0
-    return {"page_tps": tps, "tokens": marks[-1][1], "first_token_s": (times[0] - t0) / 1e3,
+    x_ar = re.search(r"([\d.]+)× AR", status)
+    return {"page_tps": tps, "x_ar": float(x_ar.group(1)) if x_ar else None,
+            "tokens": marks[-1][1], "first_token_s": (times[0] - t0) / 1e3,
             "longest_gap_s": max(gaps, default=0.0) / 1e3,
             "seen_tps": (marks[-1][1] - marks[0][1]) / span if span else None, "long_task_ms": longest}
 
@@ -162,15 +166,18 @@ def main(argv: list[str] | None = None) -> int:
         if ssd is not None:
             ssd.close()
     print(f"pair {args.pair}, K {k}, defaults {DEFAULT_SETTINGS}, median of {args.repeats}; CPU: {_cpu_name()}")
-    print(f"{'method':8} {'engine tok/s':>12} {'page tok/s':>10} {'ratio':>6} {'seen tok/s':>10} "
-          f"{'1st token s':>11} {'longest gap s':>13} {'long task ms':>12}")
+    print(f"{'method':8} {'engine tok/s':>12} {'page tok/s':>10} {'ratio':>6} {'x AR engine':>11} {'x AR page':>9} "
+          f"{'seen tok/s':>10} {'1st token s':>11} {'longest gap s':>13} {'long task ms':>12}")
+    engine_ar = statistics.median(e for e, _ in rows["ar"]) if rows.get("ar") else None
     for method, results in rows.items():
         def med(key: str) -> float:
             values = [r[key] for _, r in results if r[key] is not None]
             return statistics.median(values) if values else float("nan")
 
         engine = statistics.median(e for e, _ in results)
+        x_ar_engine = engine / engine_ar if engine_ar and method != "ar" else float("nan")
         print(f"{method:8} {engine:12.1f} {med('page_tps'):10.1f} {med('page_tps') / engine:6.2f} "
+              f"{x_ar_engine:11.2f} {med('x_ar'):9.2f} "
               f"{med('seen_tps'):10.1f} {med('first_token_s'):11.2f} {max(r['longest_gap_s'] for _, r in results):13.2f} "
               f"{max(r['long_task_ms'] for _, r in results):12.0f}")
     return 0
