@@ -281,9 +281,9 @@ def test_a_slow_draft_worker_never_makes_a_round_wait_for_its_cache(tiny_pair):
     rounds = [e for e in events if isinstance(e, SSDRoundEvent)]
     assert finishes(events)[0].token_ids == ar_tokens(tiny_pair, prompt, 40)
     filled = [i for i, r in enumerate(rounds) if r.next_fill[0] > 0]
-    assert len(rounds) > 10 and len(filled) <= 3 and all(i < 4 for i in filled)  # learning rounds only
-    late = rounds[4:]
-    assert all(r.sources == ("neural",) and r.next_fill == (0, 0, True) for r in late)
+    assert len(filled) <= 3  # learning fills only: which early rounds they land in depends on the clock
+    late = rounds[max(filled, default=-2) + 2:]  # after the last fill and the round that looked it up
+    assert len(late) > 10 and all(r.sources == ("neural",) and r.next_fill == (0, 0, True) for r in late)
 
 
 def test_bench_ssd_row_reports_the_projection_next_to_its_check_and_the_budget_used(tmp_path):
