@@ -267,7 +267,7 @@ class _RoundDetails(TokenDetails):
             rule = RuleSettings.from_config(cfg.as_dict())
             tested = range(min(result.accepted_count + 1, len(proposal.tokens)))
             self._divergences = [position_divergence(rule, *rows.on_union(pos)) for pos in tested]
-            self._tests = _position_tests(cfg, result, rows, proposal.tokens, tokenizer)
+            self._tests = _position_tests(rule, result, rows, proposal.tokens, tokenizer)
             if cfg.inspect_top_n:
                 self._candidates = [_candidates(cfg, result, rows, proposal.tokens, pos, tokenizer)
                                     for pos in range(rows.positions)]
@@ -318,10 +318,9 @@ def _scatter(support: np.ndarray, ids: np.ndarray, probs: np.ndarray) -> np.ndar
     return out
 
 
-def _position_tests(cfg: SpecConfig, result: RoundVerdict, rows: RoundRows, tokens: list[int],
+def _position_tests(rule: RuleSettings, result: RoundVerdict, rows: RoundRows, tokens: list[int],
                     tokenizer: PreTrainedTokenizerBase) -> tuple[PositionTest, ...]:
-    tas = cfg.method == "tas"
-    rule = RuleSettings.from_config(cfg.as_dict())
+    tas = rule.method == "tas"
     u_accept = result.draws.u_accept.reshape(-1).tolist()
     tests = []
     for pos, token in enumerate(tokens):
