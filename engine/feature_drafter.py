@@ -26,16 +26,17 @@ from engine.sampling import SamplingParams, dense_probs, logits_to_probs, sample
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _packed(draft: FeatureDraft, dtype: str, full_head: bool, vocab_size: int) -> tuple[PackedLinear, PackedLinear]:
-    """The draft's fc and head in the fast backend's format, built once per draft and format: packing
+def _packed(draft: FeatureDraft, dtype: str, head_dtype: str, full_head: bool,
+            vocab_size: int) -> tuple[PackedLinear, PackedLinear]:
+    """The draft's fc and head in the fast backend's formats, built once per draft and formats: packing
     them (q4_1's exact-block search) took 250 ms, paid by every playground run that made a drafter."""
     per_draft = _PACKED.setdefault(draft, {})
-    key = (dtype, full_head, vocab_size)
+    key = (dtype, head_dtype, full_head, vocab_size)
     if key not in per_draft:
         head = draft.head_weight[:vocab_size]
         with torch.no_grad():
             per_draft[key] = (PackedLinear(draft.fc.weight, dtype),
-                              PackedLinear(head if full_head else head[draft.vocab_ids], dtype))
+                              PackedLinear(head if full_head else head[draft.vocab_ids], head_dtype))
     return per_draft[key]
 
 
@@ -44,14 +45,16 @@ class FeatureDrafter(Drafter):
     needs_target_features = True
 
     def __init__(self, draft: FeatureDraft, lm: CausalLM, name: str, vocab_size: int,
-                 full_head: bool = False) -> None:
+                 full_head: bool = False, head_dtype: str | None = None) -> None:
+        """`head_dtype`: the head's weight format (the target's tied embedding: by default the draft
+        layer's format, `lm.weight_dtype`); fc always takes the layer's."""
         self.lm = lm  # the draft's decoder layer(s) with their own KV cache, fed through forward_embeds
         self.name = name
         self.vocab_size = vocab_size
         dtype = getattr(lm, "weight_dtype", "float32")
         self.head_ids = None if full_head else draft.vocab_ids
         self.embed = draft.model.model.embed_tokens.weight.detach()
-        self.fc, self.head = _packed(draft, dtype, full_head, vocab_size)
+        self.fc, self.head = _packed(draft, dtype, head_dtype or dtype, full_head, vocab_size)
         # Real target features f_0..f_{F-1} in the first F rows of a buffer that doubles when full
         # (appending by concatenation would copy the whole history every round).
         self._feature_rows = torch.empty(256, self.embed.shape[1])

@@ -35,6 +35,14 @@ BACKENDS = ("auto", "transformers", "fast")
 # fast to verify 5 tokens; a model without such blocks keeps float32 weights in it. Measured in
 # assets/FAST_BACKEND.md.
 DEFAULT_FAST_WEIGHTS = "q4_1"
+# A trained draft has no GGUF blocks, so under q4_1 its layer and fc would keep float32 weights:
+# 16.8 MB a draft step for the default pair's draft, a sixth of the target's 96 MB from a thirtieth
+# of its layers. A draft needs no reference to match (every rule verifies a token against the D it
+# was drawn from, so SpS stays exact for any draft), so they take bfloat16 instead (8.4 MB; its
+# panels keep every row's result independent of the batch, which the draft's incremental state
+# relies on); the head is the target's tied embedding and keeps the target's format (its exact
+# Q8_0 blocks under q4_1). Acceptance is unchanged within noise (assets/FAST_BACKEND.md).
+DRAFT_WEIGHTS = {"q4_1": "bfloat16"}
 # The default pair's draft: a feature-level (EAGLE-style) draft distilled from the target by
 # `python -m engine.distill`; its model card is assets/DEFAULT_DRAFT.md.
 DEFAULT_DRAFT_FILE = Path(__file__).resolve().parents[2] / "assets" / "default_draft.safetensors"
@@ -71,17 +79,18 @@ class ModelPair:
 
     def make_drafter(self, kind: str = "model", backend: str = "auto",
                      weight_dtype: str = DEFAULT_FAST_WEIGHTS) -> Drafter:
+        draft_dtype = draft_weight_dtype(weight_dtype)
         if kind in ("model", "model-full-vocab") and self.feature_draft is not None:
-            lm = self._causal_lm(self.feature_draft.model, f"{self.name}/draft", backend, weight_dtype)
+            lm = self._causal_lm(self.feature_draft.model, f"{self.name}/draft", backend, draft_dtype)
             full = kind == "model-full-vocab"
             return FeatureDrafter(self.feature_draft, lm, self.draft_description + (" (full head)" if full else ""),
-                                  self.vocab_size, full_head=full)
+                                  self.vocab_size, full_head=full, head_dtype=weight_dtype)
         if kind == "model-full-vocab":
             raise ValueError(f"pair {self.name!r} has no feature draft; 'model-full-vocab' needs one")
         if kind == "model":
             if self.draft_model is None:
                 raise ValueError(f"pair {self.name!r} has no draft model; use the 'ngram' drafter")
-            return ModelDrafter(self._causal_lm(self.draft_model, f"{self.name}/draft", backend, weight_dtype),
+            return ModelDrafter(self._causal_lm(self.draft_model, f"{self.name}/draft", backend, draft_dtype),
                                 self.draft_description)
         if kind == "self":
             return ModelDrafter(self._causal_lm(self.target_model, f"{self.name}/target-as-draft", backend,
@@ -146,6 +155,11 @@ def check_same_vocabulary(target_tok: PreTrainedTokenizerBase, draft_tok: PreTra
 def _load_dir(path: Path | str, **kwargs) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True,
                                                 trust_remote_code=False, **kwargs).eval()
+
+
+def draft_weight_dtype(weight_dtype: str) -> str:
+    """The format a trained draft's layers take when the target's weights are in `weight_dtype` (DRAFT_WEIGHTS)."""
+    return DRAFT_WEIGHTS.get(weight_dtype, weight_dtype)
 
 
 @lru_cache(maxsize=4)
