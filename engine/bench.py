@@ -1,7 +1,20 @@
 """`python -m engine.bench`: every number the project reports comes from here.
 
-All methods run in one process on the same prompts with the same seeds, interleaved repeat by
-repeat so that machine drift hits every method alike; timing columns are medians over repeats.
+All rows (method × K × weight format, the peers, SSD) run in one process on the same prompts with
+the same seeds (prompt i at seed + i), interleaved prompt by prompt: within each repeat every row
+decodes prompt i (with SSD rows: the --batch-size batch starting at i) before any row moves on, and
+the row that goes first rotates from one prompt to the next, across repeats too. A 2-core VM's speed
+drifts by 20-40% over tens of seconds; whole rows one after another each landed in their own speed
+window, while prompt by prompt drift hits every row alike. Each row is built once (target, drafter,
+SSD worker, llama.cpp model) and, SSD aside (its caches learn online), decodes the first prompt once
+untimed, so that no row pays the first forward's one-off setup. A row's raw counters are summed over
+a repeat's prompts and its per-repeat row is derived from those sums; timing columns are medians
+over repeats. `speedup_vs_ar_runs` is each repeat's tok/s over AR's in the same repeat and weight
+format (peers: the first format's AR), and `speedup_vs_ar` is the median of those per-repeat
+ratios, which cancels the drift between repeats that a ratio of medians keeps. The vLLM rows
+(engine.peers.vllm_peer.bench_rows) run whole, in their own venv, after ours: their
+`speedup_vs_ar` is their median over AR's median, with no per-repeat ratios.
+
 Peer rows run Hugging Face `generate()` on the same weights and threads: `hf-ar` (plain decoding)
 and `hf-assisted` (`assistant_model=` with the same draft and K, or `prompt_lookup_num_tokens=K`
 for the n-gram drafter), so we know where we stand against what users already have; `llama.cpp`
@@ -55,34 +68,76 @@ SSD_KEYS = ("cache_hit_rate", "theoretical_speedup", "measured_speedup", "projec
             "mean_budget_used", "mean_budget_requested", "mean_cache_depth")
 
 
+class BenchRow:
+    """One row, built once (models, worker), then fed prompts a few at a time so that main() can
+    interleave rows prompt by prompt: `begin` zeroes a repeat's counters, `add` decodes prompts
+    (prompt i at seed + i) and sums their raw counters, `result` derives the repeat's row from the sums."""
+
+    step = 1  # prompts per `add` call when run alone (SSD: its batch size)
+
+    def begin(self) -> None:
+        raise NotImplementedError
+
+    def add(self, prompts: Sequence[list[int]], start: int) -> None:
+        raise NotImplementedError
+
+    def result(self) -> dict:
+        raise NotImplementedError
+
+    def run(self, prompts: Sequence[list[int]]) -> dict:
+        """This row alone over all prompts: one repeat."""
+        self.begin()
+        for start in range(0, len(prompts), self.step):
+            self.add(prompts[start:start + self.step], start)
+        return self.result()
+
+
+class EngineRow(BenchRow):
+    """AR or a speculative method through engine.decoding on our own backend."""
+
+    def __init__(self, pair: ModelPair, method: str, cfg: SpecConfig, drafter: str, ignore_eos: bool,
+                 backend: str = "auto", weight_dtype: str = DEFAULT_FAST_WEIGHTS):
+        self.pair, self.cfg = pair, replace(cfg, method=method)
+        self.target = pair.make_target(backend, weight_dtype)
+        self.draft = None if method == "ar" else pair.make_drafter(drafter, backend, weight_dtype)
+        self.eos = frozenset() if ignore_eos else pair.eos_token_ids
+
+    def begin(self) -> None:
+        self.totals = dict.fromkeys(SUM_KEYS, 0.0)
+        self.phases = dict.fromkeys(PROFILE_COLUMNS, 0.0)
+        self.divergence = DivergenceTally()
+        self.prompts = 0
+
+    def add(self, prompts: Sequence[list[int]], start: int) -> None:
+        for i, ids in enumerate(prompts, start):
+            run_cfg = replace(self.cfg, seed=self.cfg.seed + i)
+            tested = []  # kept for the divergence, computed after the generation so it is not timed
+            for event in generate(self.target, self.draft, self.pair.tokenizer, ids, run_cfg, eos_token_ids=self.eos):
+                if isinstance(event, TokenEvent) and event.draft_prob is not None:
+                    tested.append(event)
+                elif isinstance(event, FinishEvent):
+                    finish = event
+            for token in tested:
+                self.divergence.add(token)
+            for key in SUM_KEYS:
+                self.totals[key] += finish.metrics[key]
+            for phase, seconds in finish.metrics["phase_seconds"].items():
+                self.phases[phase] += seconds
+            self.phases["between_rounds"] += finish.metrics["between_rounds_seconds"]
+            self.prompts += 1
+
+    def result(self) -> dict:
+        rounds = max(self.totals["num_rounds"], 1)
+        profile = {phase: 1e3 * seconds / rounds for phase, seconds in self.phases.items()}
+        return _derive(self.totals, describe_device(self.target)) | {
+            "mean_induced_kl": self.divergence.summary()["mean_induced_kl"], "backend": self.target.backend_label,
+            "profile_ms_per_round": profile, "prefill_ms": 1e3 * self.totals["prefill_seconds"] / self.prompts}
+
+
 def run_engine(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: SpecConfig, drafter: str,
                ignore_eos: bool, backend: str = "auto", weight_dtype: str = DEFAULT_FAST_WEIGHTS) -> dict:
     """Run one method over all prompts; return summed counters and derived rates."""
-    totals = dict.fromkeys(SUM_KEYS, 0.0)
-    target = pair.make_target(backend, weight_dtype)
-    draft = None if method == "ar" else pair.make_drafter(drafter, backend, weight_dtype)
-    phases = dict.fromkeys(PROFILE_COLUMNS, 0.0)
-    eos = frozenset() if ignore_eos else pair.eos_token_ids
-    divergence = DivergenceTally()
-    for i, ids in enumerate(prompts):
-        run_cfg = replace(cfg, method=method, seed=cfg.seed + i)
-        tested = []  # kept for the divergence, computed after the generation so it is not timed
-        for event in generate(target, draft, pair.tokenizer, ids, run_cfg, eos_token_ids=eos):
-            if isinstance(event, TokenEvent) and event.draft_prob is not None:
-                tested.append(event)
-            elif isinstance(event, FinishEvent):
-                finish = event
-        for token in tested:
-            divergence.add(token)
-        for key in SUM_KEYS:
-            totals[key] += finish.metrics[key]
-        for phase, seconds in finish.metrics["phase_seconds"].items():
-            phases[phase] += seconds
-        phases["between_rounds"] += finish.metrics["between_rounds_seconds"]
-    profile = {phase: 1e3 * seconds / max(totals["num_rounds"], 1) for phase, seconds in phases.items()}
-    return _derive(totals, describe_device(target)) | {"mean_induced_kl": divergence.summary()["mean_induced_kl"],
-                                                       "backend": target.backend_label, "profile_ms_per_round": profile,
-                                                       "prefill_ms": 1e3 * totals["prefill_seconds"] / len(prompts)}
+    return EngineRow(pair, method, cfg, drafter, ignore_eos, backend, weight_dtype).run(prompts)
 
 
 def _derive(t: dict, devices: str) -> dict:
@@ -105,55 +160,77 @@ def _derive(t: dict, devices: str) -> dict:
 _SSD_ENGINES: dict = {}
 
 
+class SSDRow(BenchRow):
+    """SSD in batches of `batch_size` (batch at prompt i: seed + i); one worker per (pair, drafter,
+    devices), kept across rows and repeats until close_ssd_engines()."""
+
+    def __init__(self, pair: ModelPair, method: str, cfg: SpecConfig, drafter: str, ignore_eos: bool,
+                 backend: str = "auto", weight_dtype: str = DEFAULT_FAST_WEIGHTS, *, devices: str = "",
+                 batch_size: int = 1, rule: str = "sps"):
+        from engine.ssd.devices import default_devices
+        from engine.ssd.ssd_decoding import SSDEngine
+
+        target_device, draft_device = parse_devices(devices) if devices else default_devices()
+        key = (pair.name, drafter, backend, weight_dtype, str(target_device), str(draft_device))
+        if key not in _SSD_ENGINES:
+            _SSD_ENGINES[key] = SSDEngine(pair, drafter_kind=drafter, backend=backend, weight_dtype=weight_dtype,
+                                          target_device=target_device, draft_device=draft_device)
+        self.engine, self.backend = _SSD_ENGINES[key], backend
+        self.cfg, self.step, self.rule = replace(cfg, method=rule), batch_size, rule
+        self.eos = frozenset() if ignore_eos else pair.eos_token_ids
+
+    def begin(self) -> None:
+        self.totals = dict.fromkeys(SUM_KEYS, 0.0)
+        self.hits = self.lookups = 0
+        self.theory, self.measured = [], []
+        self.projected = {"projected_tokens_per_s": 0.0, "model_tokens_per_s": 0.0}  # Σ seconds each model gives
+        self.fill = {"mean_budget_used": 0.0, "mean_budget_requested": 0.0, "mean_cache_depth": 0.0}
+        self.divergence = DivergenceTally()
+
+    def add(self, prompts: Sequence[list[int]], start: int) -> None:
+        for offset in range(0, len(prompts), self.step):
+            run_cfg = replace(self.cfg, seed=self.cfg.seed + start + offset)
+            events = list(self.engine.generate(prompts[offset:offset + self.step], run_cfg, eos_token_ids=self.eos))
+            finishes = [e for e in events if isinstance(e, FinishEvent)]
+            for event in events:
+                if isinstance(event, TokenEvent):
+                    self.divergence.add(event)
+            for i, finish in enumerate(finishes):
+                for k in SUM_KEYS:  # the batch shares one clock: count its time once
+                    if i == 0 or k not in ("elapsed_seconds", "prefill_seconds"):
+                        self.totals[k] += finish.metrics[k]
+            m = finishes[0].metrics
+            self.hits, self.lookups = self.hits + m["cache_hits"], self.lookups + m["cache_lookups"]
+            self.theory += [m["theoretical_speedup"]] if m["theoretical_speedup"] is not None else []
+            self.measured += [m["measured_speedup"]] if m["measured_speedup"] is not None else []
+            batch_tokens = sum(f.metrics["new_tokens"] for f in finishes)
+            for name in self.projected:
+                self.projected[name] += batch_tokens / m[name] if m[name] else 0.0
+            for name in self.fill:
+                self.fill[name] += m[name] * m["cache_lookups"]
+
+    def result(self) -> dict:
+        info = self.engine.info
+        row = _derive(self.totals, self.engine.devices()) | {
+            "backend": f"{info.backend if info else self.backend}",
+            "mean_induced_kl": self.divergence.summary()["mean_induced_kl"]}
+        # A projection, never a measurement: this run's trace with the target at its full-machine speed
+        # (engine.ssd.projection); model_tokens_per_s is the same model at the measured speed, its check.
+        new, lookups = self.totals["new_tokens"], self.lookups
+        rates = {name: new / seconds if seconds else None for name, seconds in self.projected.items()}
+        return row | rates | {name: value / lookups if lookups else None for name, value in self.fill.items()} | {
+            "cache_hit_rate": self.hits / lookups if lookups else None, "batch_size": self.step,
+            "ssd_rule": self.rule,
+            "theoretical_speedup": statistics.mean(self.theory) if self.theory else None,
+            "measured_speedup": statistics.mean(self.measured) if self.measured else None}
+
+
 def run_ssd(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: SpecConfig, drafter: str,
             ignore_eos: bool, backend: str = "auto", weight_dtype: str = DEFAULT_FAST_WEIGHTS, *,
             devices: str = "", batch_size: int = 1, rule: str = "sps") -> dict:
     """SSD over all prompts in batches; one worker per (pair, drafter, devices), kept across repeats."""
-    from engine.ssd.devices import default_devices
-    from engine.ssd.ssd_decoding import SSDEngine
-
-    target_device, draft_device = parse_devices(devices) if devices else default_devices()
-    key = (pair.name, drafter, backend, weight_dtype, str(target_device), str(draft_device))
-    if key not in _SSD_ENGINES:
-        _SSD_ENGINES[key] = SSDEngine(pair, drafter_kind=drafter, backend=backend, weight_dtype=weight_dtype,
-                                      target_device=target_device, draft_device=draft_device)
-    engine = _SSD_ENGINES[key]
-    totals = dict.fromkeys(SUM_KEYS, 0.0)
-    hits = lookups = 0
-    theory, measured = [], []
-    projected = {"projected_tokens_per_s": 0.0, "model_tokens_per_s": 0.0}  # Σ seconds each model gives
-    fill = {"mean_budget_used": 0.0, "mean_budget_requested": 0.0, "mean_cache_depth": 0.0}
-    eos = frozenset() if ignore_eos else pair.eos_token_ids
-    divergence = DivergenceTally()
-    for start in range(0, len(prompts), batch_size):
-        run_cfg = replace(cfg, method=rule, seed=cfg.seed + start)
-        events = list(engine.generate(prompts[start:start + batch_size], run_cfg, eos_token_ids=eos))
-        finishes = [e for e in events if isinstance(e, FinishEvent)]
-        for event in events:
-            if isinstance(event, TokenEvent):
-                divergence.add(event)
-        for i, finish in enumerate(finishes):
-            for k in SUM_KEYS:  # the batch shares one clock: count its time once
-                if i == 0 or k not in ("elapsed_seconds", "prefill_seconds"):
-                    totals[k] += finish.metrics[k]
-        m = finishes[0].metrics
-        hits, lookups = hits + m["cache_hits"], lookups + m["cache_lookups"]
-        theory += [m["theoretical_speedup"]] if m["theoretical_speedup"] is not None else []
-        measured += [m["measured_speedup"]] if m["measured_speedup"] is not None else []
-        batch_tokens = sum(f.metrics["new_tokens"] for f in finishes)
-        for name in projected:
-            projected[name] += batch_tokens / m[name] if m[name] else 0.0
-        for name in fill:
-            fill[name] += m[name] * m["cache_lookups"]
-    row = _derive(totals, engine.devices()) | {"backend": f"{engine.info.backend if engine.info else backend}",
-                                               "mean_induced_kl": divergence.summary()["mean_induced_kl"]}
-    # A projection, never a measurement: this run's trace with the target at its full-machine speed
-    # (engine.ssd.projection); model_tokens_per_s is the same model at the measured speed, its check.
-    rates = {name: totals["new_tokens"] / seconds if seconds else None for name, seconds in projected.items()}
-    return row | rates | {name: value / lookups if lookups else None for name, value in fill.items()} | {
-        "cache_hit_rate": hits / lookups if lookups else None, "batch_size": batch_size, "ssd_rule": rule,
-        "theoretical_speedup": statistics.mean(theory) if theory else None,
-        "measured_speedup": statistics.mean(measured) if measured else None}
+    return SSDRow(pair, method, cfg, drafter, ignore_eos, backend, weight_dtype, devices=devices,
+                  batch_size=batch_size, rule=rule).run(prompts)
 
 
 def close_ssd_engines() -> None:
@@ -162,66 +239,80 @@ def close_ssd_engines() -> None:
     _SSD_ENGINES.clear()
 
 
-def run_peer(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: SpecConfig, drafter: str,
-             ignore_eos: bool, backend: str = "", weight_dtype: str = "") -> dict:
+class PeerRow(BenchRow):
     """Hugging Face `generate()` on the same weights: plain, or assisted with the same draft and K."""
-    model = pair.target_model
-    forwards = [0]
-    hook = model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
-    sampling = cfg.temperature > 0
-    gen_cfg = GenerationConfig(
-        max_new_tokens=cfg.max_new_tokens,
-        min_new_tokens=cfg.max_new_tokens if ignore_eos else 0,
-        do_sample=sampling,
-        temperature=cfg.temperature if sampling else None,
-        top_k=(cfg.top_k or None) if sampling else None,
-        top_p=cfg.top_p if sampling else None,
-        eos_token_id=sorted(pair.eos_token_ids) or None,
-        pad_token_id=pair.tokenizer.pad_token_id or 0,
-    )
-    kwargs = {}
-    if method == "hf-assisted":
-        gen_cfg.num_assistant_tokens = cfg.num_speculative_tokens
-        gen_cfg.num_assistant_tokens_schedule = "constant"
-        gen_cfg.assistant_confidence_threshold = 0.0
-        if drafter == "ngram":
-            gen_cfg.prompt_lookup_num_tokens = cfg.num_speculative_tokens
-        else:
-            assistant = {"self": pair.target_model, "model": pair.draft_model}.get(drafter)
-            if assistant is None:
-                raise ValueError(f"hf-assisted cannot run the {drafter!r} drafter of pair {pair.name!r}: HF assisted "
-                                 "generation needs a standalone draft model (the default pair's draft reads the "
-                                 "target's features, EAGLE-style); use --peers hf-ar, or --drafter ngram/self")
-            kwargs["assistant_model"] = assistant
-    new = elapsed = 0.0
-    try:
-        for i, ids in enumerate(prompts):
-            torch.manual_seed(cfg.seed + i)
-            input_ids = torch.tensor([ids])
-            start = time.perf_counter()
-            with torch.inference_mode():
-                out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_cfg,
-                                     **kwargs)
-            elapsed += time.perf_counter() - start
-            new += out.shape[1] - input_ids.shape[1]
-            forwards[0] -= 1  # the prefill forward is not a decoding step
-    finally:
-        hook.remove()
-    # HF reports no acceptance counters; derive them from target forwards, assuming every round
-    # drafted K tokens (true with the constant schedule, except a capped last round).
-    # With the target drafting for itself the hook also counts draft forwards: no estimate then.
-    rounds = forwards[0] if method == "hf-ar" or drafter != "self" else 0
-    assisted = method == "hf-assisted" and rounds > 0
-    return {
-        "new_tokens": int(new),
-        "tokens_per_s": new / elapsed,
-        "mean_acceptance_length": new / rounds if assisted else None,
-        "draft_acceptance_rate": (new - rounds) / (rounds * cfg.num_speculative_tokens) if assisted else None,
-        "target_forwards_per_token": rounds / new if new and rounds else None,
-        "mean_induced_kl": None,
-        "devices": f"cpu ({torch.get_num_threads()} threads)",
-        "backend": "transformers generate()",
-    }
+
+    def __init__(self, pair: ModelPair, method: str, cfg: SpecConfig, drafter: str, ignore_eos: bool,
+                 backend: str = "", weight_dtype: str = ""):
+        self.model, self.method, self.drafter, self.cfg = pair.target_model, method, drafter, cfg
+        sampling = cfg.temperature > 0
+        self.gen_cfg = GenerationConfig(
+            max_new_tokens=cfg.max_new_tokens,
+            min_new_tokens=cfg.max_new_tokens if ignore_eos else 0,
+            do_sample=sampling,
+            temperature=cfg.temperature if sampling else None,
+            top_k=(cfg.top_k or None) if sampling else None,
+            top_p=cfg.top_p if sampling else None,
+            eos_token_id=sorted(pair.eos_token_ids) or None,
+            pad_token_id=pair.tokenizer.pad_token_id or 0,
+        )
+        self.kwargs = {}
+        if method == "hf-assisted":
+            self.gen_cfg.num_assistant_tokens = cfg.num_speculative_tokens
+            self.gen_cfg.num_assistant_tokens_schedule = "constant"
+            self.gen_cfg.assistant_confidence_threshold = 0.0
+            if drafter == "ngram":
+                self.gen_cfg.prompt_lookup_num_tokens = cfg.num_speculative_tokens
+            else:
+                assistant = {"self": pair.target_model, "model": pair.draft_model}.get(drafter)
+                if assistant is None:
+                    raise ValueError(f"hf-assisted cannot run the {drafter!r} drafter of pair {pair.name!r}: HF "
+                                     "assisted generation needs a standalone draft model (the default pair's draft "
+                                     "reads the target's features, EAGLE-style); use --peers hf-ar, or --drafter "
+                                     "ngram/self")
+                self.kwargs["assistant_model"] = assistant
+
+    def begin(self) -> None:
+        self.new = self.elapsed = 0.0
+        self.forwards = 0
+
+    def _count_forward(self, *_) -> None:
+        self.forwards += 1
+
+    def add(self, prompts: Sequence[list[int]], start: int) -> None:
+        # Hooked only while this row runs: other rows may run the same model object.
+        hook = self.model.register_forward_hook(self._count_forward)
+        try:
+            for i, ids in enumerate(prompts, start):
+                torch.manual_seed(self.cfg.seed + i)
+                input_ids = torch.tensor([ids])
+                begun = time.perf_counter()
+                with torch.inference_mode():
+                    out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                              generation_config=self.gen_cfg, **self.kwargs)
+                self.elapsed += time.perf_counter() - begun
+                self.new += out.shape[1] - input_ids.shape[1]
+                self.forwards -= 1  # the prefill forward is not a decoding step
+        finally:
+            hook.remove()
+
+    def result(self) -> dict:
+        # HF reports no acceptance counters; derive them from target forwards, assuming every round
+        # drafted K tokens (true with the constant schedule, except a capped last round).
+        # With the target drafting for itself the hook also counts draft forwards: no estimate then.
+        new, k = self.new, self.cfg.num_speculative_tokens
+        rounds = self.forwards if self.method == "hf-ar" or self.drafter != "self" else 0
+        assisted = self.method == "hf-assisted" and rounds > 0
+        return {
+            "new_tokens": int(new),
+            "tokens_per_s": new / self.elapsed,
+            "mean_acceptance_length": new / rounds if assisted else None,
+            "draft_acceptance_rate": (new - rounds) / (rounds * k) if assisted else None,
+            "target_forwards_per_token": rounds / new if new and rounds else None,
+            "mean_induced_kl": None,
+            "devices": f"cpu ({torch.get_num_threads()} threads)",
+            "backend": "transformers generate()",
+        }
 
 
 @lru_cache(maxsize=1)
@@ -235,43 +326,54 @@ def _llama(threads: int):
     return Llama(model_path=str(gguf_path()), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
 
 
-def run_llama_cpp(pair: ModelPair, method: str, prompts: Sequence[list[int]], cfg: SpecConfig, drafter: str,
-                  ignore_eos: bool, backend: str = "", weight_dtype: str = "") -> dict:
+class LlamaCppRow(BenchRow):
     """llama.cpp on the very GGUF our default target is converted from: the bar for CPU decoding.
     Same prompts, seeds, sampling (no min-p) and lengths as the engine rows, so its decode_tokens_per_s
     (the time after the first token, which comes right after the prefill) is at the same contexts."""
-    if pair.name != "default":
-        raise SystemExit("the llama.cpp peer row runs the embedded GGUF: use --pair default")
-    llm = _llama(torch.get_num_threads())
-    eos = sorted(pair.eos_token_ids)
 
-    def ban_eos(ids, scores):
-        scores[eos] = -np.inf
-        return scores
+    def __init__(self, pair: ModelPair, method: str, cfg: SpecConfig, drafter: str, ignore_eos: bool,
+                 backend: str = "", weight_dtype: str = ""):
+        if pair.name != "default":
+            raise SystemExit("the llama.cpp peer row runs the embedded GGUF: use --pair default")
+        self.llm, self.cfg, self.pair_eos = _llama(torch.get_num_threads()), cfg, pair.eos_token_ids
+        eos = sorted(pair.eos_token_ids)
 
-    new = elapsed = prefill = 0.0
-    for i, ids in enumerate(prompts):
-        llm.reset()  # no prompt-cache reuse across prompts: every row pays its own prefill
-        llm.set_seed(cfg.seed + i)
-        start = time.perf_counter()
-        tokens = llm.generate(ids, top_k=cfg.top_k, top_p=cfg.top_p, min_p=0.0, temp=cfg.temperature,
-                              logits_processor=[ban_eos] if ignore_eos else None)
-        for n, token in enumerate(tokens):  # the first token comes right after the prefill
-            if n == 0:
-                prefill += time.perf_counter() - start
-            if token in pair.eos_token_ids:
-                break
-            new += 1
-            if n + 1 == cfg.max_new_tokens:
-                break
-        elapsed += time.perf_counter() - start
-    return {"new_tokens": int(new), "tokens_per_s": new / elapsed, "decode_tokens_per_s": new / (elapsed - prefill),
-            "mean_acceptance_length": None,
-            "draft_acceptance_rate": None, "target_forwards_per_token": None, "mean_induced_kl": None,
-            "devices": f"cpu ({torch.get_num_threads()} threads)", "backend": "llama.cpp (GGUF Q4_1)"}
+        def ban_eos(ids, scores):
+            scores[eos] = -np.inf
+            return scores
+
+        self.processors = [ban_eos] if ignore_eos else None
+
+    def begin(self) -> None:
+        self.new = self.elapsed = self.prefill = 0.0
+
+    def add(self, prompts: Sequence[list[int]], start: int) -> None:
+        cfg = self.cfg
+        for i, ids in enumerate(prompts, start):
+            self.llm.reset()  # no prompt-cache reuse across prompts: every row pays its own prefill
+            self.llm.set_seed(cfg.seed + i)
+            begun = time.perf_counter()
+            tokens = self.llm.generate(ids, top_k=cfg.top_k, top_p=cfg.top_p, min_p=0.0, temp=cfg.temperature,
+                                       logits_processor=self.processors)
+            for n, token in enumerate(tokens):  # the first token comes right after the prefill
+                if n == 0:
+                    self.prefill += time.perf_counter() - begun
+                if token in self.pair_eos:
+                    break
+                self.new += 1
+                if n + 1 == cfg.max_new_tokens:
+                    break
+            self.elapsed += time.perf_counter() - begun
+
+    def result(self) -> dict:
+        new, elapsed = self.new, self.elapsed
+        return {"new_tokens": int(new), "tokens_per_s": new / elapsed,
+                "decode_tokens_per_s": new / (elapsed - self.prefill), "mean_acceptance_length": None,
+                "draft_acceptance_rate": None, "target_forwards_per_token": None, "mean_induced_kl": None,
+                "devices": f"cpu ({torch.get_num_threads()} threads)", "backend": "llama.cpp (GGUF Q4_1)"}
 
 
-PEER_RUNNERS = {"hf-ar": run_peer, "hf-assisted": run_peer, "llama.cpp": run_llama_cpp}
+ROW_KINDS = {"hf-ar": PeerRow, "hf-assisted": PeerRow, "llama.cpp": LlamaCppRow, SSD_METHOD: SSDRow}
 
 
 def _weight_dtypes(text: str) -> list[str]:
@@ -370,14 +472,37 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
               + (f" [{wd}]" if len(formats) > 1 and m not in PEER_METHODS else "") for m, k, wd in keys}
     runs: dict[tuple[str, int, str], list[dict]] = {key: [] for key in labels}
     ssd_args = dict(devices=args.devices, batch_size=args.batch_size, rule=args.ssd_rule)
+
+    def where(m: str) -> contextlib.AbstractContextManager:
+        return pinned(sync_device) if sync_device and m != SSD_METHOD else contextlib.nullcontext()
+
+    # The unit of the interleave: one prompt, or one SSD batch that every row decodes before the next.
+    step = args.batch_size if SSD_METHOD in methods else 1
+    starts = range(0, len(prompts), step)
+    order = list(labels)
     try:
+        built: dict[tuple[str, int, str], BenchRow] = {}
+        for m, k, wd in order:
+            with where(m):
+                row = built[m, k, wd] = ROW_KINDS.get(m, EngineRow)(
+                    pair, m, replace(cfg, num_speculative_tokens=k), args.drafter, args.ignore_eos, args.backend, wd,
+                    **(ssd_args if m == SSD_METHOD else {}))
+                # Untimed warm-up on the first prompt: a first forward pays one-off setup (about 2 s on the
+                # default pair) that would land on whichever row goes first. Not SSD: its caches learn online.
+                if m != SSD_METHOD:
+                    row.begin()
+                    row.add(prompts[:1], 0)
         for rep in range(args.repeats):
+            for key in order:
+                built[key].begin()
+            for u, start in enumerate(starts):
+                first = (rep * len(starts) + u) % len(order)  # who goes first rotates, across repeats too
+                for m, k, wd in order[first:] + order[:first]:
+                    with where(m):
+                        built[m, k, wd].add(prompts[start:start + step], start)
             for (m, k, wd), label in labels.items():
-                runner = run_ssd if m == SSD_METHOD else PEER_RUNNERS.get(m, run_engine)
-                extra = ssd_args if m == SSD_METHOD else {}
-                with pinned(sync_device) if sync_device and m != SSD_METHOD else contextlib.nullcontext():
-                    runs[m, k, wd].append(runner(pair, m, prompts, replace(cfg, num_speculative_tokens=k),
-                                                 args.drafter, args.ignore_eos, args.backend, wd, **extra))
+                with where(m):  # a row's devices column reads the cores it ran on
+                    runs[m, k, wd].append(built[m, k, wd].result())
                 tps = runs[m, k, wd][-1]["tokens_per_s"]
                 print(f"[bench] repeat {rep + 1}/{args.repeats} {label}: {tps:.2f} tok/s", file=sys.stderr, flush=True)
     except ValueError as err:
@@ -401,6 +526,13 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, prompts=args.prompts,
                    repeats=args.repeats, threads=torch.get_num_threads(),
                    tokens_per_s_runs=[r["tokens_per_s"] for r in reps])
+        # Each row against AR in the same repeat and weight format (peers run in the first format only).
+        ar_reps = runs.get(("ar", ks[0], wd))
+        if ar_reps:
+            row["speedup_vs_ar_runs"] = [r["tokens_per_s"] / a["tokens_per_s"] for r, a in zip(reps, ar_reps)]
+            row["speedup_vs_ar"] = statistics.median(row["speedup_vs_ar_runs"])
+        else:
+            row["speedup_vs_ar_runs"] = row["speedup_vs_ar"] = None
         if m == SSD_METHOD:
             row.update(fanout=args.fanout, fanout_mode=args.fanout_mode, budget=cfg.ssd_cache_budget,
                        downweight_c=args.downweight_c, backup=args.backup)
@@ -411,18 +543,23 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         rows += bench_rows(pair.name, methods, prompts, replace(cfg, num_speculative_tokens=ks[0]), args.ignore_eos,
                            args.repeats, [int(b) for b in args.vllm_batch.split(",")],
                            formats[0] if formats[0] in ("float32", "bfloat16") else "bfloat16")
-    # Each engine row against AR in the same weight format; peers against the first format's AR.
-    ar = {r["weight_dtype"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
-    for row in rows:
-        base = ar.get(row["weight_dtype"], ar.get(formats[0]))
-        row["speedup_vs_ar"] = row["tokens_per_s"] / base if base else None
+        # Not in our repeats: against AR's median, with no per-repeat ratios.
+        ar_tps = runs.get(("ar", ks[0], formats[0]))
+        base = statistics.median(r["tokens_per_s"] for r in ar_tps) if ar_tps else None
+        for row in rows:
+            if "speedup_vs_ar" not in row:
+                row.update(speedup_vs_ar=row["tokens_per_s"] / base if base else None, speedup_vs_ar_runs=None)
     table = pd.DataFrame(rows).set_index("label")
-    cols = ["tokens_per_s", "speedup_vs_ar", "new_tokens", "mean_acceptance_length", "draft_acceptance_rate",
-            "target_forwards_per_token", "mean_induced_kl", "overhead_fraction", "draft_ms_per_token",
-            "verify_ms_per_round", "cache_hit_rate", "mean_budget_used", "mean_cache_depth", "projected_tokens_per_s",
-            "model_tokens_per_s", "theoretical_speedup", "measured_speedup", "backend", "devices"]
+    cols = ["tokens_per_s", "speedup_vs_ar", "speedup_vs_ar_runs", "new_tokens", "mean_acceptance_length",
+            "draft_acceptance_rate", "target_forwards_per_token", "mean_induced_kl", "overhead_fraction",
+            "draft_ms_per_token", "verify_ms_per_round", "cache_hit_rate", "mean_budget_used", "mean_cache_depth",
+            "projected_tokens_per_s", "model_tokens_per_s", "theoretical_speedup", "measured_speedup", "backend",
+            "devices"]
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
-        print(table[[c for c in cols if c in table.columns]])
+        shown = table[[c for c in cols if c in table.columns]].copy()
+        shown["speedup_vs_ar_runs"] = shown["speedup_vs_ar_runs"].map(
+            lambda ratios: "/".join(f"{x:.2f}" for x in ratios) if isinstance(ratios, list) else None)
+        print(shown)
     if args.profile:
         print_profile(rows)
     if args.json:

@@ -109,3 +109,52 @@ def test_bench_refuses_bad_ssd_devices():
 
     with pytest.raises(SystemExit, match="share cores"):
         main(["--pair", "tiny", "--methods", "ssd", "--peers", "", "--devices", "target=cpu:0-1,draft=cpu:1"])
+
+
+def test_interleaving_rows_prompt_by_prompt_gives_each_row_its_own_tokens(tiny_pair, tmp_path, monkeypatch):
+    """Every row decodes prompt i before any row moves on, the first row rotating, and each row's
+    counters (warm-up included) are exactly those of that row run alone over the same prompts and seeds."""
+    from dataclasses import replace
+
+    from engine.cli import spec_config_from_args
+    from engine.models.registry import GENERIC_K
+    from engine.prompts import held_out_prompts
+
+    fed = []
+    for kind in (bench.EngineRow, bench.PeerRow):
+        def logged(self, prompts, start, add=kind.add):
+            fed.append((id(self), start))
+            add(self, prompts, start)
+        monkeypatch.setattr(kind, "add", logged)
+    argv = ["--pair", "tiny", "--methods", "ar,sps,cactus", "--peers", "hf-ar", "--prompts", "3", "--repeats", "1",
+            "--max-new-tokens", "10", "--k", "2", "--json", str(tmp_path / "rows.json")]
+    bench.main(argv)
+    rows = {r["method"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+    warm, timed = fed[:4], fed[4:]  # each of the 4 rows warms up once on prompt 0, untimed
+    assert [start for _, start in warm] == [0] * 4 and len({row for row, _ in warm}) == 4
+    assert [start for _, start in timed] == [0] * 4 + [1] * 4 + [2] * 4
+    assert len({timed[4 * i][0] for i in range(3)}) == 3  # a different row goes first on each prompt
+
+    cfg = replace(spec_config_from_args(bench.parse_args(argv), k=GENERIC_K), num_speculative_tokens=2)
+    prompts = [tiny_pair.encode_prompt(p) for p in held_out_prompts(3)]
+    for method in ("ar", "sps", "cactus", "hf-ar"):
+        kind = bench.PeerRow if method == "hf-ar" else bench.EngineRow
+        alone = kind(tiny_pair, method, cfg, "model", False).run(prompts)
+        for key in ("new_tokens", "mean_acceptance_length", "draft_acceptance_rate", "target_forwards_per_token"):
+            assert rows[method][key] == alone[key], (method, key)
+        assert rows[method]["mean_induced_kl"] == pytest.approx(alone["mean_induced_kl"])
+    assert bench.run_engine(tiny_pair, "sps", prompts, cfg, "model", False)["new_tokens"] == rows["sps"]["new_tokens"]
+
+
+def test_speedup_vs_ar_is_the_median_of_per_repeat_ratios(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    bench.main(["--pair", "tiny", "--methods", "ar,sps", "--peers", "hf-ar", "--prompts", "1", "--repeats", "3",
+                "--max-new-tokens", "4", "--k", "1", "--json", str(out)])
+    rows = {r["method"]: r for r in json.loads(out.read_text())}
+    assert rows["ar"]["speedup_vs_ar_runs"] == [1.0, 1.0, 1.0] and rows["ar"]["speedup_vs_ar"] == 1.0
+    for method in ("sps", "hf-ar"):
+        runs = rows[method]["speedup_vs_ar_runs"]
+        ar_runs = rows["ar"]["tokens_per_s_runs"]
+        assert runs == [a / b for a, b in zip(rows[method]["tokens_per_s_runs"], ar_runs)]
+        assert rows[method]["speedup_vs_ar"] == pytest.approx(sorted(runs)[1])
+    assert "1.00/1.00/1.00" in capsys.readouterr().out
