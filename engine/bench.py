@@ -176,6 +176,7 @@ class SSDRow(BenchRow):
             _SSD_ENGINES[key] = SSDEngine(pair, drafter_kind=drafter, backend=backend, weight_dtype=weight_dtype,
                                           target_device=target_device, draft_device=draft_device)
         self.engine, self.backend = _SSD_ENGINES[key], backend
+        self.engine.start()  # spawn and load the draft worker before any timing (seconds, once per engine)
         self.cfg, self.step, self.rule = replace(cfg, method=rule), batch_size, rule
         self.eos = frozenset() if ignore_eos else pair.eos_token_ids
 

@@ -198,7 +198,9 @@ def _serve(spec: DrafterSpec, device: DeviceSpec, first: Drafter, conn: Connecti
             seqs, generation, replied = [], msg.generation, None
             for i, _ in enumerate(msg.prompts):
                 drafters[i].start()
-                seqs.append(_Sequence(drafters[i], torch.Generator().manual_seed(msg.seed + 7919 * i)))
+                # Not the main process's seed for the sequence (seed + i): with the same stream, round 0's
+                # draft uniform was the very uniform its acceptance test then drew.
+                seqs.append(_Sequence(drafters[i], torch.Generator().manual_seed(msg.seed + 7919 * (i + 1))))
             continue
         if replied is not None and msg.sent_at > replied:
             sizer.observe_window(msg.sent_at - replied)
