@@ -45,6 +45,13 @@ class Proposal:
             self._probs = dense_probs(ids, probs, self.vocab_size)
         return self._probs
 
+    def prefix(self, k: int) -> "Proposal":
+        """The first k tokens and their rows, in this proposal's own form (sparse stays sparse)."""
+        if self.support is None:
+            return Proposal(self.tokens[:k], self._probs[:k])
+        ids, probs = self.support
+        return Proposal(self.tokens[:k], support=(ids[:k], probs[:k]), vocab_size=self.vocab_size)
+
     @property
     def device(self) -> torch.device:
         return (self._probs if self._probs is not None else self.support[1]).device

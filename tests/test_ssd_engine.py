@@ -321,3 +321,40 @@ def test_a_worker_lost_before_it_reports_in_degrades_with_the_feature_draft(defa
     assert fin.token_ids == ar_tokens(default_pair, prompt, 16)
     drafted = [e for e in events if isinstance(e, RoundEvent)]
     assert sum(r.num_accepted for r in drafted) > 0  # the draft saw the features: greedy drafts get kept
+
+
+class _ShadowedEngine(SSDEngine):
+    """Compares each served speculation's first row with what a synchronous drafter in this process
+    draws from, given the same committed tokens and the target features this process kept."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.shadows, self.gaps = {}, []
+
+    def _verify(self, row, cfg, proposal, *args, **kwargs):
+        if proposal is not None and proposal.tokens:
+            shadow, seen = self.shadows.get(id(row), (None, 0))
+            if shadow is None:
+                shadow = self.pair.make_drafter("model")
+                shadow.start()
+            for start, hidden in row.hidden[seen:]:
+                shadow.observe_target(start, hidden)
+            self.shadows[id(row)] = (shadow, len(row.hidden))
+            sync = shadow.propose(row.context, 1, cfg.sampling, torch.rand(1)).probs[0]
+            self.gaps.append(float((sync - proposal.probs[0]).abs().sum()))
+        return super()._verify(row, cfg, proposal, *args, **kwargs)
+
+
+@pytest.mark.slow
+def test_every_served_first_token_is_drawn_from_the_synchronous_draft(default_pair):
+    """Cache hit (first token redrafted from the real features) or backup alike, the first drafted
+    token's D is the synchronous draft's for the same text, up to the features' float16 transport;
+    SSD's acceptance can then differ from SpS's only through the text it happens to write."""
+    prompt = default_pair.encode_prompt("Write a short story about a lighthouse keeper.")
+    cfg = SpecConfig(max_new_tokens=48, num_speculative_tokens=2, temperature=0.6, top_p=0.95, top_k=20,
+                     ssd_fanout=4)
+    with _ShadowedEngine(default_pair, target_device="cpu:0", draft_device="cpu:1") as eng:
+        events = list(eng.generate([prompt], cfg))
+    assert not [e for e in events if isinstance(e, WorkerEvent) and e.kind == "degraded"]
+    assert len(eng.gaps) > 10
+    assert max(eng.gaps) < 1e-2, sorted(eng.gaps)[-5:]

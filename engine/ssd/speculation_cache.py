@@ -53,7 +53,7 @@ class SpeculationCache:
         hit = self.entries.get(key)
         if hit is None:
             return None
-        return Proposal(hit.tokens[:k], hit.probs[:k])
+        return hit.prefix(k)
 
     def keys(self) -> tuple[Key, ...]:
         return tuple(self.entries)

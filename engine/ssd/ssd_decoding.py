@@ -315,9 +315,9 @@ class SSDEngine:
                 # Every round after a sequence's first is a lookup; a fill cut to nothing is a miss.
                 looked_up = item is not None and row.outcome is not None
                 if item is not None:
-                    probs = (item.probs.unpack() if item.probs is not None
-                             else _point_masses(item.tokens, self.pair.vocab_size))
-                    proposal, source = Proposal(list(item.tokens), probs), item.source
+                    proposal = (item.probs.proposal(list(item.tokens)) if item.probs is not None
+                                else Proposal(list(item.tokens), _point_masses(item.tokens, self.pair.vocab_size)))
+                    source = item.source
                     if looked_up:
                         planner.observe_lookup(_fanout_at(item.cache_fanouts, row.outcome[0], row.served_length),
                                                source == "cache")
@@ -486,7 +486,7 @@ class SSDEngine:
             proposal = Proposal([], torch.empty(0, vocab))
             if k > 0:
                 proposal = row.local_drafter.propose(row.context, k, params, torch.rand(k, generator=row.generator))
-        proposal = Proposal(proposal.tokens[:max(k, 0)], proposal.probs[:max(k, 0)])
+        proposal = proposal.prefix(max(k, 0))
         draft_seconds = wait_seconds + time.perf_counter() - draft_before
 
         verify_start = time.perf_counter()

@@ -102,15 +102,22 @@ class SparseRows:
     vocab_size: int
 
     @staticmethod
-    def pack(probs: torch.Tensor) -> "SparseRows":
-        probs = probs.float()
+    def of(proposal: Proposal) -> "SparseRows":
+        """A proposal's rows: its own sparse support as it is (a synchronous or backup draft: no
+        [V] row is built or searched on the round's critical path), else the nonzeros of its dense
+        rows, largest first (so padding, id 0 with probability 0, comes after every real entry)."""
+        if proposal.support is not None:
+            ids, values = proposal.support
+            return SparseRows(ids.int().numpy(), values.float().numpy(), proposal.vocab_size)
+        probs = proposal.probs.float()
         width = max(int((probs > 0).sum(-1).max()), 1) if probs.numel() else 1
         values, ids = torch.topk(probs, min(width, probs.shape[-1]), dim=-1)
         return SparseRows(ids.int().numpy(), values.numpy(), probs.shape[-1])
 
-    def unpack(self) -> torch.Tensor:
-        ids, values = torch.from_numpy(self.ids).long(), torch.from_numpy(self.values)
-        return torch.zeros(ids.shape[0], self.vocab_size).scatter_add_(1, ids, values)
+    def proposal(self, tokens: list[int]) -> Proposal:
+        """The tokens with these rows as a sparse Proposal (the acceptance rule reads that form directly)."""
+        return Proposal(tokens, support=(torch.from_numpy(self.ids).long(), torch.from_numpy(self.values)),
+                        vocab_size=self.vocab_size)
 
 
 @dataclass(frozen=True)
@@ -261,13 +268,13 @@ def _serve_one(seq: _Sequence, item: SeqRequest, msg: RoundRequest, sizer: FillS
     if hit is not None and hit.tokens:
         if seq.drafter.needs_target_features:
             hit, kept = _redraft_first(seq, hit, msg, sizer)
-        tokens, probs, source = hit.tokens, hit.probs, "cache"
+        tokens, rows, source = hit.tokens, hit, "cache"
     else:
-        tokens, probs = _backup(seq, msg, sizer)
+        tokens, rows = _backup(seq, msg, sizer)
         source = msg.backup
     seq.speculation = list(tokens)
-    point_mass = probs is None or msg.params.greedy
-    return SeqReply(list(tokens), None if point_mass else SparseRows.pack(probs), source,
+    point_mass = rows is None or msg.params.greedy
+    return SeqReply(list(tokens), None if point_mass else SparseRows.of(rows), source,
                     cache.keys() if cache else (), cache.fanouts if cache else (), cache.depth if cache else 0, kept)
 
 
@@ -300,11 +307,11 @@ def _just_in_time(seq: _Sequence, msg: RoundRequest, k: int, sizer: FillSizer) -
     return jit
 
 
-def _backup(seq: _Sequence, msg: RoundRequest, sizer: FillSizer) -> tuple[list[int], torch.Tensor | None]:
-    """Tokens and their D' (None: point masses) after a miss."""
+def _backup(seq: _Sequence, msg: RoundRequest, sizer: FillSizer) -> tuple[list[int], Proposal | None]:
+    """Tokens after a miss, with the draft that holds their D' (None: point masses)."""
     if msg.backup == "neural":
         jit = _just_in_time(seq, msg, msg.k, sizer)
-        return jit.tokens, jit.probs
+        return jit.tokens, jit
     if msg.backup == "fast":
         return fast_backup(msg.k, msg.vocab_size, seq.generator), None
     if msg.backup == "ngram":
