@@ -147,5 +147,8 @@ def summary(state: RunState) -> dict:
             last = state.ssd_rounds[-1]
             metrics.update(cache_hit_rate=last.hit_rate, theoretical_speedup=last.theoretical_speedup,
                            measured_speedup=last.measured_speedup)
+    kept = [k for r in state.ssd_rounds for k in r.first_kept if k is not None]
+    if kept:  # a feature draft's hits: the first token redrafted from the real target features
+        metrics.update(first_tokens_redrafted=len(kept), first_token_kept_rate=sum(kept) / len(kept))
     metrics.update(state.tally.summary())
     return metrics

@@ -39,6 +39,10 @@ def status_line(run: RunState, reference: ARReference | None) -> str:
     parts.extend(divergence_parts(run.method, m))
     if m.get("cache_hit_rate") is not None:
         parts.append(f"SSD cache hit rate {m['cache_hit_rate']:.0%}")
+    if m.get("first_tokens_redrafted"):
+        parts.append(f"each hit's first token redrafted from the target's real features, as SpS would draft it "
+                     f"(cached one kept in {m['first_token_kept_rate']:.0%} of {m['first_tokens_redrafted']}): "
+                     "a hit drafts as well as SpS but still costs that one draft step")
     if any(w.kind == "degraded" for w in run.worker_events):
         parts.append("⚠️ draft worker lost: finished synchronously")
     if run.start:

@@ -279,3 +279,19 @@ def test_sweep_labels_of_neighbouring_points_sit_on_opposite_sides():
     sides = {label: side for trace in charts.pareto_figure(points).data if trace.text
              for label, side in zip(trace.text, trace.textposition)}
     assert sides["ε=0.3"] != sides["ε=0.09"]
+
+
+
+def test_ssd_status_says_a_hit_redrafts_its_first_token_and_how_often_the_cached_one_survives():
+    from engine.events import SSDRoundEvent, StartEvent
+    from playground.views import status_line
+
+    run = RunState(method="sps")
+    reduce(run, StartEvent(4, 0.01, "target", "draft", "fast/q4_1", "target=cpu:0, draft=cpu:1"))
+    for i, kept in enumerate([True, False, None, True]):  # None: a miss, served by the backup (no redraft)
+        reduce(run, SSDRoundEvent(i, (0,), (kept is not None,), ("cache" if kept is not None else "neural",),
+                                  (0, 1), ((),), (), (1,), (), None, None, None, first_kept=(kept,)))
+    m = summary(run)
+    assert m["first_tokens_redrafted"] == 3 and m["first_token_kept_rate"] == pytest.approx(2 / 3)
+    assert "first token redrafted from the target's real features" in status_line(run, None)
+    assert "kept in 67% of 3" in status_line(run, None)
