@@ -52,6 +52,7 @@ from engine.models.fast_llama import WEIGHT_DTYPES
 from engine.models.registry import BACKENDS, DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS, GENERIC_K, PAIRS, ModelPair, load_pair
 from engine.prompts import held_out_prompts
 from engine.ssd.devices import parse_device, parse_devices, pinned
+from engine.ssd.projection import PHASES as SSD_PHASES
 from engine.sampling import REPORTED_SAMPLING
 
 PEER_METHODS = ("hf-ar", "hf-assisted", "llama.cpp")
@@ -64,8 +65,9 @@ SUM_KEYS = ("new_tokens", "num_rounds", "target_forwards", "num_drafts", "num_dr
 PROFILE_COLUMNS = ROUND_PHASES + ("between_rounds",)
 TIMED_KEYS = ("tokens_per_s", "decode_tokens_per_s", "overhead_fraction", "draft_ms_per_token",
               "verify_ms_per_round")
+SSD_PHASE_KEYS = tuple(f"round_{name}_ms" for name in SSD_PHASES)  # where an SSD round goes (ms a round)
 SSD_KEYS = ("cache_hit_rate", "theoretical_speedup", "measured_speedup", "projected_tokens_per_s", "model_tokens_per_s",
-            "mean_budget_used", "mean_budget_requested", "mean_cache_depth")
+            "mean_budget_used", "mean_budget_requested", "mean_cache_depth") + SSD_PHASE_KEYS
 
 
 class BenchRow:
@@ -175,7 +177,7 @@ class SSDRow(BenchRow):
         if key not in _SSD_ENGINES:
             _SSD_ENGINES[key] = SSDEngine(pair, drafter_kind=drafter, backend=backend, weight_dtype=weight_dtype,
                                           target_device=target_device, draft_device=draft_device)
-        self.engine, self.backend = _SSD_ENGINES[key], backend
+        self.engine = _SSD_ENGINES[key]
         self.engine.start()  # spawn and load the draft worker before any timing (seconds, once per engine)
         self.cfg, self.step, self.rule = replace(cfg, method=rule), batch_size, rule
         self.eos = frozenset() if ignore_eos else pair.eos_token_ids
@@ -186,6 +188,7 @@ class SSDRow(BenchRow):
         self.theory, self.measured = [], []
         self.projected = {"projected_tokens_per_s": 0.0, "model_tokens_per_s": 0.0}  # Σ seconds each model gives
         self.fill = {"mean_budget_used": 0.0, "mean_budget_requested": 0.0, "mean_cache_depth": 0.0}
+        self.phases, self.rounds = dict.fromkeys(SSD_PHASE_KEYS, 0.0), 0  # Σ ms per round × rounds
         self.divergence = DivergenceTally()
 
     def add(self, prompts: Sequence[list[int]], start: int) -> None:
@@ -209,17 +212,21 @@ class SSDRow(BenchRow):
                 self.projected[name] += batch_tokens / m[name] if m[name] else 0.0
             for name in self.fill:
                 self.fill[name] += m[name] * m["cache_lookups"]
+            rounds = max(f.metrics["num_rounds"] for f in finishes)  # the batch's rounds share one trace
+            for name in self.phases:
+                self.phases[name] += (m[name] or 0.0) * rounds
+            self.rounds += rounds
 
     def result(self) -> dict:
-        info = self.engine.info
         row = _derive(self.totals, self.engine.devices()) | {
-            "backend": f"{info.backend if info else self.backend}",
+            "backend": self.engine.backend_label,
             "mean_induced_kl": self.divergence.summary()["mean_induced_kl"]}
         # A projection, never a measurement: this run's trace with the target at its full-machine speed
         # (engine.ssd.projection); model_tokens_per_s is the same model at the measured speed, its check.
         new, lookups = self.totals["new_tokens"], self.lookups
         rates = {name: new / seconds if seconds else None for name, seconds in self.projected.items()}
         return row | rates | {name: value / lookups if lookups else None for name, value in self.fill.items()} | {
+            **{name: total / self.rounds if self.rounds else None for name, total in self.phases.items()},
             "cache_hit_rate": self.hits / lookups if lookups else None, "batch_size": self.step,
             "ssd_rule": self.rule,
             "theoretical_speedup": statistics.mean(self.theory) if self.theory else None,
@@ -554,9 +561,9 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     cols = ["tokens_per_s", "speedup_vs_ar", "speedup_vs_ar_runs", "new_tokens", "mean_acceptance_length",
             "draft_acceptance_rate", "target_forwards_per_token", "mean_induced_kl", "overhead_fraction",
             "draft_ms_per_token", "verify_ms_per_round", "cache_hit_rate", "mean_budget_used", "mean_cache_depth",
-            "projected_tokens_per_s", "model_tokens_per_s", "theoretical_speedup", "measured_speedup", "backend",
-            "devices"]
-    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
+            "projected_tokens_per_s", "model_tokens_per_s", "theoretical_speedup", "measured_speedup",
+            *SSD_PHASE_KEYS, "backend", "devices"]
+    with pd.option_context("display.width", 200, "display.max_columns", 40, "display.float_format", "{:.3f}".format):
         shown = table[[c for c in cols if c in table.columns]].copy()
         shown["speedup_vs_ar_runs"] = shown["speedup_vs_ar_runs"].map(
             lambda ratios: "/".join(f"{x:.2f}" for x in ratios) if isinstance(ratios, list) else None)

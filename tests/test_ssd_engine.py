@@ -301,6 +301,8 @@ def test_bench_ssd_row_reports_the_projection_next_to_its_check_and_the_budget_u
     assert "(1 threads)" in sps["devices"] and ssd["new_tokens"] == sps["new_tokens"] == 24
     assert ssd["projected_tokens_per_s"] > 0 and ssd["model_tokens_per_s"] > 0
     assert 0 <= ssd["mean_budget_used"] <= ssd["mean_budget_requested"] == 9 and ssd["mean_cache_depth"] <= 2
+    phases = [ssd[f"round_{name}_ms"] for name in ("serve", "message", "verify", "loop", "fill")]
+    assert all(p is not None and p >= 0 for p in phases) and ssd["round_verify_ms"] > 0
 
 
 @pytest.mark.slow

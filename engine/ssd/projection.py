@@ -22,6 +22,9 @@ ASSUMPTIONS = ("projected, dedicated draft device: target at its full-machine sp
                "measured speed, hits, accepted lengths and loop work as measured")
 
 
+PHASES = ("serve", "message", "verify", "loop", "fill")  # RoundTiming's seconds, in the order of a round
+
+
 @dataclass
 class RoundTiming:
     emitted: int
@@ -49,6 +52,13 @@ class ProjectionTrace:
             total += r.serve + r.message + max(verify + r.loop, r.fill)
         return sum(r.emitted for r in self.rounds) / total if total > 0 else None
 
+    def phase_ms(self) -> dict[str, float | None]:
+        """Mean ms per round of each term of the round time: where an SSD round goes (the wait for
+        the reply is serve + message; verify + loop runs while the fill does)."""
+        n = len(self.rounds)
+        return {f"round_{name}_ms": 1e3 * sum(getattr(r, name) for r in self.rounds) / n if n else None
+                for name in PHASES}
+
     def summary(self) -> dict:
         return {"projected_tokens_per_s": self.tokens_per_s(True), "model_tokens_per_s": self.tokens_per_s(False),
-                "projection_assumptions": ASSUMPTIONS}
+                "projection_assumptions": ASSUMPTIONS} | self.phase_ms()

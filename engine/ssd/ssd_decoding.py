@@ -123,6 +123,13 @@ class SSDEngine:
     def devices(self) -> str:
         return f"target={self.target_device.describe()}, draft={self.draft_device.describe()}"
 
+    @property
+    def backend_label(self) -> str:
+        """The target's backend and weight format, then the draft worker's (they can differ: a draft
+        takes bfloat16 where the target takes q4_1)."""
+        target = self._targets[0].backend_label if self._targets else f"{self.backend}/{self.weight_dtype}"
+        return f"{target}, draft {self.info.backend}" if self.info is not None else target
+
     def start(self) -> WorkerInfo:
         """Spawn the worker (a fresh interpreter: forking a process with torch threads can deadlock)."""
         if self.alive and self.info is not None:
