@@ -268,13 +268,13 @@ def _serve_one(seq: _Sequence, item: SeqRequest, msg: RoundRequest, sizer: FillS
     if hit is not None and hit.tokens:
         if seq.drafter.needs_target_features:
             hit, kept = _redraft_first(seq, hit, msg, sizer)
-        tokens, rows, source = hit.tokens, hit, "cache"
+        tokens, served, source = hit.tokens, hit, "cache"
     else:
-        tokens, rows = _backup(seq, msg, sizer)
+        tokens, served = _backup(seq, msg, sizer)
         source = msg.backup
     seq.speculation = list(tokens)
-    point_mass = rows is None or msg.params.greedy
-    return SeqReply(list(tokens), None if point_mass else SparseRows.of(rows), source,
+    point_mass = served is None or msg.params.greedy
+    return SeqReply(list(tokens), None if point_mass else SparseRows.of(served), source,
                     cache.keys() if cache else (), cache.fanouts if cache else (), cache.depth if cache else 0, kept)
 
 
