@@ -170,7 +170,7 @@ class SSDRow(BenchRow):
                  backend: str = "auto", weight_dtype: str = DEFAULT_FAST_WEIGHTS, *, devices: str = "",
                  batch_size: int = 1, rule: str = "sps"):
         from engine.ssd.devices import default_devices
-        from engine.ssd.ssd_decoding import SSDEngine
+        from engine.ssd.ssd_decoding import SSDEngine, WorkerLost
 
         target_device, draft_device = parse_devices(devices) if devices else default_devices()
         key = (pair.name, drafter, backend, weight_dtype, str(target_device), str(draft_device))
@@ -178,7 +178,10 @@ class SSDRow(BenchRow):
             _SSD_ENGINES[key] = SSDEngine(pair, drafter_kind=drafter, backend=backend, weight_dtype=weight_dtype,
                                           target_device=target_device, draft_device=draft_device)
         self.engine = _SSD_ENGINES[key]
-        self.engine.start()  # spawn and load the draft worker before any timing (seconds, once per engine)
+        try:  # spawn and load the draft worker before any timing (seconds, once per engine)
+            self.engine.start()
+        except WorkerLost as err:  # main() turns a ValueError into a one-line error, not a traceback
+            raise ValueError(f"the SSD row cannot run: {err}") from err
         self.cfg, self.step, self.rule = replace(cfg, method=rule), batch_size, rule
         self.eos = frozenset() if ignore_eos else pair.eos_token_ids
 

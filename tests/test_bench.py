@@ -158,3 +158,15 @@ def test_speedup_vs_ar_is_the_median_of_per_repeat_ratios(tmp_path, capsys):
         assert runs == [a / b for a, b in zip(rows[method]["tokens_per_s_runs"], ar_runs)]
         assert rows[method]["speedup_vs_ar"] == pytest.approx(sorted(runs)[1])
     assert "1.00/1.00/1.00" in capsys.readouterr().out
+
+
+def test_an_ssd_worker_that_cannot_start_is_a_one_line_error(monkeypatch):
+    from engine.ssd.ssd_decoding import SSDEngine, WorkerLost
+
+    def lost(self):
+        raise WorkerLost("the draft worker exited (simulated)")
+
+    monkeypatch.setattr(SSDEngine, "start", lost)
+    with pytest.raises(SystemExit, match="the SSD row cannot run: the draft worker exited"):
+        bench.main(["--pair", "tiny", "--methods", "ssd", "--peers", "", "--prompts", "1", "--repeats", "1",
+                    "--max-new-tokens", "4", "--devices", "target=cpu:0,draft=cpu:1"])
