@@ -9,7 +9,8 @@ It prints medians of: engine-only decode tok/s; the page's tok/s (the engine's o
 the page ran it, shown in its status line); their ratio; "× AR" as the engine alone gives it and as
 the page's status line reads it (against this session's own AR run, when AR is among the methods); the rate the browser saw tokens arrive;
 time to first token (click to first token drawn); the longest gap between token-view updates
-after the first token; the longest main-thread task Chromium reported.
+after the first token; the longest main-thread task Chromium reported; and the cores Chromium kept
+busy during the run (its CPU seconds over the run's wall time: what it took from the engine).
 
 Run by hand on a quiet machine (not in CI): `flock -x /tmp/specplay-cpu.lock python -m playground.browser_bench`.
 """
@@ -108,12 +109,15 @@ def start_server(pair: str, port: int, log: Path) -> subprocess.Popen:
 
 
 def page_run(page, method: str) -> dict:
-    """One Generate click at the defaults; the page's own tok/s and the browser's view of the stream."""
+    """One Generate click at the defaults; the page's own tok/s, the browser's view of the stream
+    and the cores Chromium kept busy meanwhile (CPU seconds over the run's wall time)."""
     page.get_by_label(METHOD_LABELS[method]).check()
+    cpu_before, wall_before = browser_cpu_seconds(), time.monotonic()
     page.evaluate(WATCH_JS)
     # Polled every 250 ms, not every animation frame: a rAF poll makes the page draw 60 frames a
     # second on the engine's cores, a cost no real visitor's browser adds.
     page.wait_for_function("window.__done", timeout=RUN_GUARD_MS, polling=250)
+    browser_cores = (browser_cpu_seconds() - cpu_before) / (time.monotonic() - wall_before)
     marks, t0, longest = page.evaluate("[window.__marks, window.__t0, window.__longest]")
     marks = [(t, n) for t, n in marks if n > 0]
     status = page.locator("#status").inner_text()
@@ -125,7 +129,25 @@ def page_run(page, method: str) -> dict:
     return {"page_tps": tps, "x_ar": float(x_ar.group(1)) if x_ar else None,
             "tokens": marks[-1][1], "first_token_s": (times[0] - t0) / 1e3,
             "longest_gap_s": max(gaps, default=0.0) / 1e3,
-            "seen_tps": (marks[-1][1] - marks[0][1]) / span if span else None, "long_task_ms": longest}
+            "seen_tps": (marks[-1][1] - marks[0][1]) / span if span else None, "long_task_ms": longest,
+            "browser_cores": browser_cores}
+
+
+def browser_cpu_seconds() -> float:
+    """User + system CPU seconds of every live Chromium process (/proc: this bench's browser is the
+    only one on a quiet machine). The engine's OpenMP team splits each GEMM evenly over both
+    cores, so any core-time Chromium takes stalls the whole forward, not just one thread's share."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # exited meanwhile
+            continue
+        name, rest = text[text.index("(") + 1: text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if name.startswith(("chrom", "headless")):
+            total += int(rest[11]) + int(rest[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / ticks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             ssd.close()
     print(f"pair {args.pair}, K {k}, defaults {DEFAULT_SETTINGS}, median of {args.repeats}; CPU: {_cpu_name()}")
     print(f"{'method':8} {'engine tok/s':>12} {'page tok/s':>10} {'ratio':>6} {'x AR engine':>11} {'x AR page':>9} "
-          f"{'seen tok/s':>10} {'1st token s':>11} {'longest gap s':>13} {'long task ms':>12}")
+          f"{'seen tok/s':>10} {'1st token s':>11} {'longest gap s':>13} {'long task ms':>12} {'browser cores':>13}")
     engine_ar = statistics.median(e for e, _ in rows["ar"]) if rows.get("ar") else None
     for method, results in rows.items():
         def med(key: str) -> float:
@@ -179,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{method:8} {engine:12.1f} {med('page_tps'):10.1f} {med('page_tps') / engine:6.2f} "
               f"{x_ar_engine:11.2f} {med('x_ar'):9.2f} "
               f"{med('seen_tps'):10.1f} {med('first_token_s'):11.2f} {max(r['longest_gap_s'] for _, r in results):13.2f} "
-              f"{max(r['long_task_ms'] for _, r in results):12.0f}")
+              f"{max(r['long_task_ms'] for _, r in results):12.0f} {med('browser_cores'):13.2f}")
     return 0
 
 
