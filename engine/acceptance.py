@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.sampling import SamplingParams, entropy, native_width, sample_from, sparse_probs
+from engine.uniform_stream import UniformStream
 
 if TYPE_CHECKING:  # annotations only
     from engine.drafters import Proposal
@@ -29,12 +30,18 @@ METHODS = ("sps", "tas", "cactus")
 TAS_LOG_EPS = 1e-5  # Medusa / vLLM entropy guard inside the TAS threshold
 
 
-@dataclass(frozen=True)
 class RandomDraws:
-    """The uniforms one verification round consumes."""
+    """The uniforms one verification round consumes: u_accept [B, K] for the ratio tests, then
+    u_sample [B] for the recovered or bonus token.
 
-    u_accept: torch.Tensor  # [B, K]
-    u_sample: torch.Tensor  # [B]
+    Taken from a `UniformStream`, they stay a span of its block until someone reads them as
+    tensors; the native rule reads them by address (`addresses`), so a decode round builds none.
+    """
+
+    __slots__ = ("_u_accept", "_u_sample", "_span")
+
+    def __init__(self, u_accept: torch.Tensor, u_sample: torch.Tensor) -> None:
+        self._u_accept, self._u_sample, self._span = u_accept, u_sample, None
 
     @staticmethod
     def draw(batch: int, k: int, generator: torch.Generator | None = None) -> "RandomDraws":
@@ -42,6 +49,38 @@ class RandomDraws:
         torch's CPU generator fills a tensor element by element)."""
         u = torch.rand(batch * (k + 1), generator=generator)
         return RandomDraws(u_accept=u[: batch * k].view(batch, k), u_sample=u[batch * k:])
+
+    @staticmethod
+    def take(stream: UniformStream, k: int) -> "RandomDraws":
+        """One sequence's draws, the next k + 1 numbers of its stream: the same u_accept [1, k] and
+        u_sample [1] as `draw(1, k, generator)` on that stream's generator."""
+        draws = RandomDraws(None, None)
+        block, at = stream.take_span(k + 1)
+        draws._span = (block, at, k)
+        return draws
+
+    @property
+    def u_accept(self) -> torch.Tensor:
+        if self._u_accept is None:
+            block, at, k = self._span
+            self._u_accept = block[at: at + k].view(1, k)
+        return self._u_accept
+
+    @property
+    def u_sample(self) -> torch.Tensor:
+        if self._u_sample is None:
+            block, at, k = self._span
+            self._u_sample = block[at + k: at + k + 1]
+        return self._u_sample
+
+    def addresses(self) -> tuple[int, int]:
+        """Where u_accept and u_sample start in memory, as float32 arrays (row-major, contiguous)."""
+        if self._span is not None:
+            block, at, k = self._span
+            start = block.data_ptr() + at * block.element_size()
+            return start, start + k * block.element_size()
+        self._u_accept, self._u_sample = self.u_accept.contiguous(), self.u_sample.contiguous()  # kept alive
+        return self._u_accept.data_ptr(), self._u_sample.data_ptr()
 
 
 @dataclass(frozen=True)
@@ -282,21 +321,24 @@ def verify_logits(method: str, logits: torch.Tensor, params: SamplingParams, dra
             method, dense.unsqueeze(0), draft.probs.to(dense.device).unsqueeze(0), tokens, ids, delta=delta,
             posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha, draws=draws))
     _check_rule(method, delta, posterior_threshold, posterior_alpha)
-    logits = logits.detach().float().contiguous()
+    # Each torch op here costs ~5-20 us with the caches cold after a forward: skip the no-op ones.
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        logits = logits.detach().float().contiguous()
+    draft_ids, draft_probs = None, None
     if draft.support is not None:
         draft_ids, draft_probs = (t.contiguous() for t in draft.support)
-    else:
-        draft_ids, draft_probs = None, draft.probs.float().contiguous()
+    elif k:
+        draft_probs = draft.probs.float().contiguous()
     ids = torch.empty(k + 1, width, dtype=torch.long)
     probs = torch.empty(k + 1, width)
     stats = torch.empty(8, k + 2, dtype=torch.float64)  # rows as cpu_kernels.c verify_logits writes them
     temperature, top_p = (1.0, 1.0) if params.greedy else (params.temperature, params.top_p)
     _kernels().verify_logits(
         logits.data_ptr(), logits.shape[1], width, temperature, top_p, _RULE_CODES[method], k,
-        None if draft_ids is None else draft_ids.data_ptr(), draft_probs.data_ptr(), draft_probs.shape[-1],
-        (ctypes.c_int64 * max(k, 1))(*draft.tokens), draws.u_accept.contiguous().data_ptr(),
-        draws.u_sample.contiguous().data_ptr(), delta, posterior_threshold, posterior_alpha, ids.data_ptr(),
-        probs.data_ptr(), stats.data_ptr())
+        None if draft_ids is None else draft_ids.data_ptr(), None if draft_probs is None else draft_probs.data_ptr(),
+        draft.vocab_size if draft_probs is None else draft_probs.shape[-1],
+        (ctypes.c_int64 * max(k, 1))(*draft.tokens), *draws.addresses(), delta, posterior_threshold,
+        posterior_alpha, ids.data_ptr(), probs.data_ptr(), stats.data_ptr())
     values = stats.tolist()
     per_position = [row[:k] for row in values[:5]] + [values[5][:k + 1]]
     count, next_token = int(values[7][0]), int(values[7][1])

@@ -29,6 +29,8 @@ from engine.divergence import PositionDivergence, RuleSettings, position_diverge
 from engine.events import Candidate, FinishEvent, PositionTest, RoundEvent, StartEvent, TokenDetails, TokenEvent
 from engine.metrics import PhaseClock, SpecMetrics
 from engine.models.causal_lm import CausalLM
+from engine.sampling import SamplingParams
+from engine.uniform_stream import UniformStream
 
 Event = StartEvent | TokenEvent | RoundEvent | FinishEvent
 
@@ -57,7 +59,7 @@ def generate(
     vocab = target.vocab_size
     if any(not 0 <= t < vocab for t in prompt_ids):
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
-    generator = torch.Generator().manual_seed(int(cfg.seed))
+    stream = UniformStream(cfg.seed)
     target.reset()
     observes = drafter is not None and drafter.needs_target_features
     target.keep_hidden = observes
@@ -78,7 +80,9 @@ def generate(
                      target.backend_label, describe_device(target))
 
     metrics = SpecMetrics()
+    no_draft = Proposal([], torch.empty(0, vocab))
     previous = cfg
+    params, cfg_dict = cfg.sampling, cfg.as_dict()  # rebuilt only in a round whose snapshot is new
     reason = "max_new_tokens"
     round_index = 0
     while len(generated) < cfg.max_new_tokens:
@@ -86,18 +90,19 @@ def generate(
             reason = "stopped"
             break
         clock = PhaseClock()
-        cfg = config.snapshot()
+        cfg = config.snapshot(previous)
+        if cfg is not previous:
+            params, cfg_dict = cfg.sampling, cfg.as_dict()
         remaining = cfg.max_new_tokens - len(generated)
         if remaining <= 0:
             break
-        params = cfg.sampling
         k = 0 if cfg.method == "ar" else min(cfg.num_speculative_tokens, remaining - 1)
         clock.lap("bookkeeping")
 
         draft_before = drafter.forward_seconds if drafter else 0.0
-        proposal = Proposal([], torch.empty(0, vocab))
+        proposal = no_draft
         if k > 0:
-            proposal = drafter.propose(context, k, params, torch.rand(k, generator=generator))
+            proposal = drafter.propose(context, k, params, stream.take(k))
         k = len(proposal.tokens)
         draft_seconds = (drafter.forward_seconds if drafter else 0.0) - draft_before
         clock.split("draft_other", "draft_forward", draft_seconds)
@@ -112,7 +117,7 @@ def generate(
         verify_seconds = target.forward_seconds - verify_before
         clock.split("verify_other", "verify_forward", verify_seconds)
 
-        support, proposal, result = apply_rule(logits, proposal, cfg, generator)
+        support, proposal, result = apply_rule(logits, proposal, cfg, params, stream)
         clock.lap("sampling_rule")
         num_accepted = result.accepted_count
         target.rollback(len(context) + num_accepted)
@@ -152,8 +157,8 @@ def generate(
             draft_seconds=draft_seconds,
             verify_seconds=verify_seconds,
             target_forwards=int(bool(feed)),
-            config=cfg.as_dict(),
-            config_changes=cfg.changed_fields(previous) if round_index else (),
+            config=cfg_dict,
+            config_changes=cfg.changed_fields(previous) if round_index and cfg is not previous else (),
         )
         clock.lap("events")
         round_event = RoundEvent(**fields, round_seconds=clock.total, elapsed_seconds=time.perf_counter() - start,
@@ -172,16 +177,18 @@ def generate(
     yield FinishEvent(reason, text, tuple(generated), metrics.summary(elapsed, prefill_seconds))
 
 
-def apply_rule(logits: torch.Tensor, proposal: Proposal, cfg: SpecConfig,
-               generator: torch.Generator) -> tuple[tuple[torch.Tensor | None, torch.Tensor], Proposal, RoundVerdict]:
+def apply_rule(logits: torch.Tensor, proposal: Proposal, cfg: SpecConfig, params: SamplingParams,
+               stream: UniformStream) -> tuple[tuple[torch.Tensor | None, torch.Tensor], Proposal, RoundVerdict]:
     """One round's verdict from the target's logits [K+1, V] at the verified positions: the target's
-    rows under the round's sampling as `sparse_probs` gives them (ids, probs), the proposal moved to
-    their device (the draft may live elsewhere) and the acceptance rule's result. AR is SpS with K = 0."""
-    if proposal.device != logits.device:
+    rows under the round's sampling `params` (= cfg.sampling, built once per round by the caller) as
+    `sparse_probs` gives them (ids, probs), the proposal moved to their device (the draft may live
+    elsewhere) and the acceptance rule's result, on the next draws of the sequence's stream. AR is
+    SpS with K = 0."""
+    if proposal.tokens and proposal.device != logits.device:
         proposal = Proposal(proposal.tokens, proposal.probs.to(logits.device))
     support, result = verify_logits(
-        "sps" if cfg.method == "ar" else cfg.method, logits, cfg.sampling, proposal,
-        RandomDraws.draw(1, len(proposal.tokens), generator),
+        "sps" if cfg.method == "ar" else cfg.method, logits, params, proposal,
+        RandomDraws.take(stream, len(proposal.tokens)),
         delta=cfg.delta, posterior_threshold=cfg.posterior_threshold, posterior_alpha=cfg.posterior_alpha,
     )
     return support, proposal, result

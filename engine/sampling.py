@@ -100,7 +100,7 @@ def native_support(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.
 def native_width(params: SamplingParams, logits: torch.Tensor) -> int | None:
     """The support width the native kernels sample `logits` with under `params` (1 greedy, else
     top-k), or None where they do not apply (no or a large top-k, not CPU, no kernels built)."""
-    if logits.device.type != "cpu" or _kernels() is None:
+    if not logits.is_cpu or _kernels() is None:
         return None
     width = 1 if params.greedy else params.top_k
     vocab = logits.shape[-1]

@@ -43,6 +43,7 @@ from engine.ssd.devices import DeviceSpec, default_devices, parse_device, pinned
 from engine.ssd.fanout import FanoutPlanner
 from engine.ssd.projection import ProjectionTrace, RoundTiming
 from engine.ssd.speculation_cache import Key
+from engine.uniform_stream import UniformStream
 from engine.ssd.worker import (BuildReport, DrafterSpec, RoundReply, RoundRequest, SeqReply, SeqRequest, StartRequest,
                                WorkerInfo, worker_main)
 
@@ -62,7 +63,7 @@ class _Row:
 
     target: CausalLM
     context: list[int]
-    generator: torch.Generator
+    uniforms: UniformStream
     detok: IncrementalDetokenizer
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     generated: list[int] = field(default_factory=list)
@@ -257,7 +258,7 @@ class SSDEngine:
         for i, (prompt, target) in enumerate(zip(prompts, self._make_targets(len(prompts)))):
             target.reset()
             target.keep_hidden = observes
-            row = _Row(target, list(prompt), torch.Generator().manual_seed(int(cfg.seed) + i),
+            row = _Row(target, list(prompt), UniformStream(int(cfg.seed) + i),
                        IncrementalDetokenizer(self.pair.tokenizer), commit=list(prompt))
             row.pending_logits = target.forward(prompt)
             if observes:
@@ -492,7 +493,7 @@ class SSDEngine:
         if proposal is None:  # degraded: draft synchronously here
             proposal = Proposal([], torch.empty(0, vocab))
             if k > 0:
-                proposal = row.local_drafter.propose(row.context, k, params, torch.rand(k, generator=row.generator))
+                proposal = row.local_drafter.propose(row.context, k, params, row.uniforms.take(k))
         proposal = proposal.prefix(max(k, 0))
         draft_seconds = wait_seconds + time.perf_counter() - draft_before
 
@@ -503,7 +504,7 @@ class SSDEngine:
         if row.pending_logits is not None:
             logits = torch.cat([row.pending_logits, logits])
         row.pending_logits = None
-        target_probs, proposal, result = apply_rule(logits, proposal, cfg, row.generator)
+        target_probs, proposal, result = apply_rule(logits, proposal, cfg, params, row.uniforms)
         num_accepted = int(result.num_accepted[0])
         row.target.rollback(len(row.context) + num_accepted)
         if row.target.keep_hidden and feed:

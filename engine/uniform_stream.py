@@ -1,0 +1,42 @@
+"""`UniformStream`: the seeded uniforms a generation consumes, drawn a block at a time.
+
+Every random choice of a round (the draft's K draws, then the acceptance tests' u_accept and the
+recovered or bonus token's u_sample) reads the next numbers of one seeded stream, so the same seed
+gives the same tokens. torch fills a CPU float tensor from its generator element by element, so a
+block of N draws holds the very numbers N one-element calls would give, in order (a test checks
+this): drawing in blocks changes no token. It takes a generator call off every round. Right after a
+target forward has streamed the weights through the caches, `torch.rand(2, generator=g)` took
+about 0.09 ms on AMD EPYC Zen 4 (median over 130 rounds, scratch profile): 1.3 % of an AR token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 4096  # uniforms per generator call: about a thousand rounds at K = 1
+
+
+class UniformStream:
+    """The uniforms of torch.Generator().manual_seed(seed), handed out in order as tensor views."""
+
+    __slots__ = ("_generator", "_block", "_at")
+
+    def __init__(self, seed: int) -> None:
+        self._generator = torch.Generator().manual_seed(int(seed))
+        self._block = torch.empty(0)
+        self._at = 0
+
+    def take(self, n: int) -> torch.Tensor:
+        """The next n uniforms in [0, 1) as a float32 view [n] (read-only by convention)."""
+        block, at = self.take_span(n)
+        return block[at: at + n]
+
+    def take_span(self, n: int) -> tuple[torch.Tensor, int]:
+        """The next n uniforms as (the float32 block holding them, their offset in it), without
+        building a tensor for them: for a native caller that reads them by address."""
+        if self._at + n > self._block.shape[0]:
+            fresh = torch.rand(max(BLOCK, n), generator=self._generator)
+            self._block = torch.cat([self._block[self._at:], fresh])
+            self._at = 0
+        self._at += n
+        return self._block, self._at - n

@@ -1,0 +1,23 @@
+"""The block-drawn uniform stream hands out exactly the generator's own sequence."""
+
+import torch
+
+from engine.acceptance import RandomDraws
+from engine.uniform_stream import BLOCK, UniformStream
+
+
+def test_the_stream_is_the_generators_sequence_across_block_boundaries():
+    sizes = [1, 2, 1, 5, 3] * 500 + [BLOCK + 7, 1, 2]  # crosses several blocks, one take longer than a block
+    stream = UniformStream(123)
+    taken = torch.cat([stream.take(n) for n in sizes])
+    generator = torch.Generator().manual_seed(123)
+    one_by_one = torch.cat([torch.rand(n, generator=generator) for n in sizes])
+    assert torch.equal(taken, one_by_one)
+
+
+def test_a_rounds_draws_from_the_stream_equal_the_generator_draws():
+    stream, generator = UniformStream(7), torch.Generator().manual_seed(7)
+    for k in (0, 1, 4, 2):
+        mine, theirs = RandomDraws.take(stream, k), RandomDraws.draw(1, k, generator)
+        assert torch.equal(mine.u_accept, theirs.u_accept) and torch.equal(mine.u_sample, theirs.u_sample)
+        assert mine.u_accept.shape == (1, k) and mine.u_sample.shape == (1,)
