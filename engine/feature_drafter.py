@@ -89,27 +89,30 @@ class FeatureDrafter(Drafter):
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: torch.Tensor) -> Proposal:
         if len(context) < 2:
             raise ValueError("the feature draft needs at least two context tokens")
-        feature = self._sync(context)
+        feature = self._sync(context)  # [1, hidden]
         tokens, ids, rows = [], [], []
-        for i in range(k):
-            drawn, token_ids, probs = self._draw(feature[None], params, uniforms[i:i + 1])
+        for u in uniforms.tolist()[:k]:
+            drawn, token_ids, probs = self._draw(feature, params, [u])
             tokens += drawn
             ids.append(token_ids)
             rows.append(probs)
-            if i + 1 < k:
-                feature = self._feed(tokens[-1:], feature[None])[-1]
+            if len(tokens) < k:
+                feature = self._feed(drawn, feature)
         if not rows:
             return Proposal(tokens, torch.empty(0, self.vocab_size))
+        # one row per token: concatenated only when there are several (each torch op costs ~10 us
+        # with the caches cold after the target's forward)
+        join = (lambda parts: parts[0]) if k == 1 else torch.cat
         if ids[0] is None:
-            return Proposal(tokens, torch.cat(rows))
-        return Proposal(tokens, support=(torch.cat(ids), torch.cat(rows)), vocab_size=self.vocab_size)
+            return Proposal(tokens, join(rows))
+        return Proposal(tokens, support=(join(ids), join(rows)), vocab_size=self.vocab_size)
 
     @torch.inference_mode()
     def score(self, context: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """Draft logits after `context + tokens[:i]`, i = 0..len(tokens) (SSD's glue decode)."""
         self._sync(list(context) + list(tokens))
         m = len(context) - 1
-        return self._logits(torch.stack(self._outputs[m - 1:m + len(tokens)]))
+        return self._logits(torch.cat(self._outputs[m - 1:m + len(tokens)]))
 
     @torch.inference_mode()
     def propose_branches(self, context: Sequence[int], speculation: Sequence[int], forks: Sequence[tuple[int, int]],
@@ -134,8 +137,8 @@ class FeatureDrafter(Drafter):
         if depth.min() < 0 or depth.max() > len(speculation):
             raise ValueError(f"fork depths must be in [0, {len(speculation)}]")
         positions = len(context) + depth  # sequence position of each branch's first token
-        feature = torch.stack([self._feature_rows[p - 1] if p - 1 < self._num_features else self._outputs[p - 2]
-                               for p in positions.tolist()])
+        feature = torch.cat([self._feature_rows[p - 1: p] if p - 1 < self._num_features else self._outputs[p - 2]
+                             for p in positions.tolist()])
         feed = torch.tensor([int(y) for _, y in forks])
         visible = torch.arange(base)[None, :] < (positions - 1)[:, None]  # entries of positions < p
         own = torch.zeros(n, 0, dtype=torch.bool)
@@ -157,7 +160,7 @@ class FeatureDrafter(Drafter):
         return branch_proposals(tokens, rows)
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
-        """Bring the draft KV to entries for positions 1..len(context)-1; return f̂ of the last one."""
+        """Bring the draft KV to entries for positions 1..len(context)-1; return f̂ of the last one [1, hidden]."""
         m = len(context) - 1
         known = self._num_features
         # Leading entries whose token matches and whose input feature was a real one; usually all of
@@ -175,15 +178,17 @@ class FeatureDrafter(Drafter):
         for j in range(len(self._entries) + 1, m + 1):  # beyond the target's features: the draft's own f̂
             if not self._outputs:
                 raise ValueError("the feature draft needs the target's features of the context (observe_target)")
-            self._feed([context[j]], self._outputs[-1][None])
+            self._feed([context[j]], self._outputs[-1])
         return self._outputs[-1]
 
     def _feed(self, tokens: Sequence[int], features: torch.Tensor) -> torch.Tensor:
+        """Append draft KV entries for `tokens` with input features [n, hidden]; f̂ of the last [1, hidden].
+        Each entry's f̂ is kept as a [1, hidden] row (one view per entry, none for a single one)."""
         x = self._input(torch.tensor(list(tokens)), features)
         out = self.lm.forward_embeds(x)
         self._entries.extend(int(t) for t in tokens)
-        self._outputs.extend(out.unbind(0))
-        return out
+        self._outputs.extend([out] if out.shape[0] == 1 else out.split(1))
+        return self._outputs[-1]
 
     def _input(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """x_j = fc([emb(t_j); f_{j-1}])."""
@@ -195,13 +200,14 @@ class FeatureDrafter(Drafter):
     def _sample(self, features: torch.Tensor, params: SamplingParams,
                 uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw one token per row: (tokens [n], full-vocabulary probabilities [n, V])."""
-        tokens, ids, probs = self._draw(features, params, uniforms)
+        tokens, ids, probs = self._draw(features, params, uniforms.tolist())
         return torch.tensor(tokens), probs if ids is None else dense_probs(ids, probs, self.vocab_size)
 
     def _draw(self, features: torch.Tensor, params: SamplingParams,
-              uniforms: torch.Tensor) -> tuple[list[int], torch.Tensor | None, torch.Tensor]:
-        """Draw one token per row: (tokens, ids [n, w], probs [n, w]) when the distributions have a
-        small support (a reduced head under top-k or greedy), else (tokens, None, probs [n, V]).
+              uniforms: list[float]) -> tuple[list[int], torch.Tensor | None, torch.Tensor]:
+        """Draw one token per row of features [n, hidden] with its uniform: (tokens, ids [n, w],
+        probs [n, w]) when the distributions have a small support (a reduced head under top-k or
+        greedy), else (tokens, None, probs [n, V]).
 
         With a reduced head the sampling runs over the tokens V' keeps (top-k of them, usually): outside
         V' the logits are -inf, so temperature, top-k and top-p select the same tokens, and drawing over
@@ -210,15 +216,16 @@ class FeatureDrafter(Drafter):
         """
         if self.head_ids is None:
             probs = logits_to_probs(self._logits(features), params)
-            return sample_from(probs, uniforms).tolist(), None, probs
+            return sample_from(probs, torch.tensor(uniforms)).tolist(), None, probs
         start = time.perf_counter()
         logits = self.head(features)
         self._extra_seconds += time.perf_counter() - start
-        draws = [sample_sparse(row, params, u, self.head_ids) for row, u in zip(logits, uniforms.tolist())]
+        rows = [logits] if logits.shape[0] == 1 else logits  # sample_sparse takes [V'] or [1, V']
+        draws = [sample_sparse(row, params, u, self.head_ids) for row, u in zip(rows, uniforms)]
         if draws[0] is None:  # no top-k: any token of V' may be drawn
             kept = sparse_probs(logits, params)[1]
             probs = torch.zeros(kept.shape[0], self.vocab_size).index_copy_(1, self.head_ids, kept)
-            return sample_from(probs, uniforms).tolist(), None, probs
+            return sample_from(probs, torch.tensor(uniforms)).tolist(), None, probs
         if len(draws) == 1:
             return [draws[0][0]], draws[0][1], draws[0][2]
         return [d[0] for d in draws], torch.cat([d[1] for d in draws]), torch.cat([d[2] for d in draws])

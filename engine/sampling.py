@@ -120,18 +120,19 @@ def draw_support(ids: torch.Tensor, probs: torch.Tensor, uniform: float) -> int:
 
 def sample_sparse(logits: torch.Tensor, params: SamplingParams, uniform: float,
                   id_map: torch.Tensor | None = None) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-    """Draw one token from one row of logits [V'] through a sparse support: (token, ids [1, w],
+    """Draw one token from one row of logits ([V'] or [1, V']) through a sparse support: (token, ids [1, w],
     probs [1, w]), ids mapped through `id_map` (a reduced head's token ids) when given. One native
     call where `native_width` applies (the same as `sparse_probs` then `draw_support`); None where
     the support is not small (no top-k), for the caller's dense path."""
     width = native_width(params, logits)
     if width is None:
-        ids, probs = sparse_probs(logits[None], params)
+        ids, probs = sparse_probs(logits.reshape(1, -1), params)
         if ids is None:
             return None
         ids = ids if id_map is None else id_map[ids]
         return draw_support(ids[0], probs[0], uniform), ids, probs
-    logits = logits.detach().float().contiguous()
+    if logits.dtype != torch.float32 or not logits.is_contiguous():  # each no-op cast costs ~10 us cold
+        logits = logits.detach().float().contiguous()
     ids = torch.empty(1, width, dtype=torch.long)
     probs = torch.empty(1, width)
     temperature, top_p = (1.0, 1.0) if params.greedy else (params.temperature, params.top_p)
