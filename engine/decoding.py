@@ -234,9 +234,13 @@ class _RoundDetails(TokenDetails):
     """One round's text pieces, inspector candidates, divergences and tests, computed on first read.
 
     The round's rows (target T_i under the sampling settings, draft D_i) stay referenced until a
-    reader asks for any of the derived values; then everything is computed at once in numpy (under
-    a lock: the UI reads from its own threads, where torch would open a second OpenMP team) and the
-    rows are let go.
+    reader asks for any of the derived values; then the divergences and tests are computed in
+    numpy (under a lock: the UI reads from its own threads, where torch would open a second OpenMP
+    team). The inspector's candidates scan the whole vocabulary per position (1.4 ms a round on the
+    default pair, AMD EPYC Zen 4: most of what folding a round cost the UI thread, on the same cores
+    as the engine), so where the rows are sparse they are kept and the candidates wait for a reader
+    who asks for them (a click on a token); dense rows (no top-k) are too large to keep, and get
+    their candidates with the rest.
     """
 
     def __init__(self, detok: IncrementalDetokenizer, cfg: SpecConfig, result: RoundVerdict,
@@ -244,6 +248,7 @@ class _RoundDetails(TokenDetails):
                  tokenizer: PreTrainedTokenizerBase) -> None:
         self._detok = detok
         self._rows: tuple | None = (cfg, result, support, proposal, tokenizer)
+        self._pending_candidates: tuple | None = None  # what `_candidates` needs, until first asked
         self._candidates: list[tuple[Candidate, ...]] = []
         self._divergences: list[PositionDivergence] = []
         self._tests: tuple[PositionTest, ...] = ()
@@ -254,6 +259,10 @@ class _RoundDetails(TokenDetails):
 
     def candidates(self, position: int) -> tuple[Candidate, ...]:
         self._derive()
+        with self._lock:
+            if self._pending_candidates is not None:
+                self._candidates = _all_candidates(*self._pending_candidates)
+                self._pending_candidates = None
         return self._candidates[position] if position < len(self._candidates) else ()
 
     def divergence(self, position: int) -> PositionDivergence | None:
@@ -276,8 +285,11 @@ class _RoundDetails(TokenDetails):
             self._divergences = [position_divergence(rule, *rows.on_union(pos)) for pos in tested]
             self._tests = _position_tests(rule, result, rows, proposal.tokens, tokenizer)
             if cfg.inspect_top_n:
-                self._candidates = [_candidates(cfg, result, rows, proposal.tokens, pos, tokenizer)
-                                    for pos in range(rows.positions)]
+                pending = (cfg, result, rows, proposal.tokens, tokenizer)
+                if rows.sparse:
+                    self._pending_candidates = pending
+                else:
+                    self._candidates = _all_candidates(*pending)
 
 
 class RoundRows:
@@ -287,6 +299,11 @@ class RoundRows:
                  vocab_size: int) -> None:
         self.target, self.draft, self.vocab_size = target, draft, vocab_size
         self.positions = target[1].shape[0]
+
+    @property
+    def sparse(self) -> bool:
+        """Both sides as (ids, probs) rows: a few hundred bytes a position, cheap to keep."""
+        return self.target[0] is not None and (self.draft[0] is not None or self.draft[1].shape[0] == 0)
 
     @staticmethod
     def of(ids: torch.Tensor | None, probs: torch.Tensor, proposal: Proposal) -> "RoundRows":
@@ -338,6 +355,11 @@ def _position_tests(rule: RuleSettings, result: RoundVerdict, rows: RoundRows, t
             gamma=None if tas else result.gamma_values[pos], acceptance_prob=result.acceptance_probs_values[pos],
             u=None if tas else u_accept[pos], threshold=threshold, passed=result.passed[pos]))
     return tuple(tests)
+
+
+def _all_candidates(cfg: SpecConfig, result: RoundVerdict, rows: RoundRows, tokens: list[int],
+                    tokenizer: PreTrainedTokenizerBase) -> list[tuple[Candidate, ...]]:
+    return [_candidates(cfg, result, rows, tokens, pos, tokenizer) for pos in range(rows.positions)]
 
 
 def _candidates(cfg: SpecConfig, result: RoundVerdict, rows: RoundRows, tokens: list[int], pos: int,

@@ -295,3 +295,17 @@ def test_ssd_status_says_a_hit_redrafts_its_first_token_and_how_often_the_cached
     assert m["first_tokens_redrafted"] == 3 and m["first_token_kept_rate"] == pytest.approx(2 / 3)
     assert "first token redrafted from the target's real features" in status_line(run, None)
     assert "kept in 67% of 3" in status_line(run, None)
+
+
+def test_inspector_candidates_wait_for_a_reader_and_equal_the_eager_ones(tiny_pair):
+    """Folding a round computes divergences and tests, not the vocabulary-wide candidates (sparse
+    rows are kept for them); reading them later gives exactly what computing them at once gave."""
+    from engine.decoding import _all_candidates
+
+    state = _run(tiny_pair, method="ar")  # sparse rows (top-k); the tiny draft's dense rows get theirs eagerly
+    details = state.tokens[0].details
+    assert details._pending_candidates is not None and not details._candidates  # not computed by folding
+    cfg, result, rows, tokens, tokenizer = details._pending_candidates
+    eager = _all_candidates(cfg, result, rows, tokens, tokenizer)
+    assert state.tokens[0].candidates == eager[0] and len(eager[0]) > 0
+    assert details._pending_candidates is None
