@@ -6,6 +6,10 @@ from a generation) libgomp manages more threads than there are CPUs and switches
 "throttled" spin count (100 spins instead of 300,000), so the team's idle thread sleeps in a futex
 between the decoder's many small parallel regions and each region pays a wake-up. On 2 cores that
 halved the engine's speed inside Gradio. With one thread owning every call there is one team.
+The SSD engine has a thread of its own (it pins it), so each loop's thread lives only while it has
+work: a thread that exits takes its team with it. An idle SSD thread kept alive after one SSD run
+held every later synchronous run at 0.55x its speed (AMD EPYC Zen 4, 2 cores; an idle second team
+took a default-pair forward from 6.7 to 17.6 ms, and its thread's exit gave 8.1 ms back).
 
 Runs are generators of engine events, interleaved round by round (a run gives the thread back after
 each `RoundEvent`), so concurrent sessions share the thread fairly and a run can be paused, stepped
@@ -83,14 +87,21 @@ class RunHandle:
 
 
 class EngineLoop:
-    """The one engine thread: runs submitted calls (loading, warm-up) and interleaves runs by round."""
+    """The one engine thread: runs submitted calls (loading, warm-up) and interleaves runs by round.
+    The thread starts with the first call or run and exits once it has neither (see the module doc)."""
 
     def __init__(self, name: str = "specplay-engine") -> None:
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._runs: list[RunHandle] = []
         self._wake = threading.Condition()
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
+        self._name = name
+        self._thread: threading.Thread | None = None
+
+    def _ensure_thread(self) -> None:
+        """(with self._wake held) A serving thread, started if the last one exited."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+            self._thread.start()
 
     @property
     def active_runs(self) -> int:
@@ -103,6 +114,7 @@ class EngineLoop:
         future: Future = Future()
         with self._wake:
             self._calls.append((lambda: fn(*args, **kwargs), future))
+            self._ensure_thread()
             self._wake.notify()
         return future.result()
 
@@ -111,6 +123,7 @@ class EngineLoop:
             self._runs.append(handle)
             for run in self._runs:
                 run.max_concurrent = max(run.max_concurrent, len(self._runs))
+            self._ensure_thread()
             self._wake.notify()
         return handle
 
@@ -141,9 +154,12 @@ class EngineLoop:
         turn = 0
         while True:
             with self._wake:
-                while not self._calls and not any(r.runnable for r in self._runs):
-                    self._wake.wait(PARKED_POLL_SECONDS if self._runs else None)
+                while self._runs and not self._calls and not any(r.runnable for r in self._runs):
+                    self._wake.wait(PARKED_POLL_SECONDS)  # every run is parked
                     self._check_deadlines()
+                if not self._calls and not self._runs:
+                    self._thread = None  # nothing left: exit, and free this thread's OpenMP team
+                    return
                 call = self._calls.popleft() if self._calls else None
                 runnable = [r for r in self._runs if r.runnable]
             if call is not None:

@@ -297,15 +297,16 @@ def test_ssd_status_says_a_hit_redrafts_its_first_token_and_how_often_the_cached
     assert "kept in 67% of 3" in status_line(run, None)
 
 
-def test_inspector_candidates_wait_for_a_reader_and_equal_the_eager_ones(tiny_pair):
-    """Folding a round computes divergences and tests, not the vocabulary-wide candidates (sparse
-    rows are kept for them); reading them later gives exactly what computing them at once gave."""
-    from engine.decoding import _all_candidates
+def test_an_engine_loop_thread_exits_with_its_last_job_so_no_idle_openmp_team_outlives_it(tiny_pair):
+    """An idle OpenMP team left by a second thread (the SSD loop's, after one SSD run) throttles
+    every team's spinning: each loop's thread lives only while it has calls or runs."""
+    from playground.engine_loop import EngineLoop
 
-    state = _run(tiny_pair, method="ar")  # sparse rows (top-k); the tiny draft's dense rows get theirs eagerly
-    details = state.tokens[0].details
-    assert details._pending_candidates is not None and not details._candidates  # not computed by folding
-    cfg, result, rows, tokens, tokenizer = details._pending_candidates
-    eager = _all_candidates(cfg, result, rows, tokens, tokenizer)
-    assert state.tokens[0].candidates == eager[0] and len(eager[0]) > 0
-    assert details._pending_candidates is None
+    loop = EngineLoop("specplay-test-loop")
+    thread = loop.call(threading.current_thread)
+    thread.join(timeout=60)  # a hang guard only: the thread ends right after handing back the result
+    assert not thread.is_alive()
+    assert loop.call(threading.current_thread) is not thread  # the next job gets a fresh thread
+    handle = start_run(PlaygroundContext("tiny", tiny_pair, engine=loop), SpecConfig(method="ar", max_new_tokens=8),
+                       tiny_pair.encode_prompt("hi"), RunState(method="ar"), time.monotonic() + 600)
+    assert handle.done.wait(120) and handle.state().finish is not None
