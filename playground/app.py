@@ -12,14 +12,21 @@ from __future__ import annotations
 import json
 
 import gradio as gr
+import uvicorn
+from fastapi import FastAPI
 
 from playground import tab_compare, tab_generate, tab_learn, tab_sweep
+from playground.live_feed import PAGE_JS, add_route
 from playground.page import Page
 from playground.runner import VLLM_TARGET_NAMES, PlaygroundContext
 
 CSS = """
 .token-view span { font-family: ui-monospace, monospace; }
 .legend-note { font-size: 0.85em; color: #555; }
+#tokens-live { contain: content; }  /* a feed message re-lays-out and repaints this box only */
+#tokens-live .live-tokens { line-height: 1.9; padding: 4px 0; }
+#tokens-live .live-token { border-radius: 3px; padding: 1px 1px; white-space: pre-wrap; }
+#tokens-live .live-status { padding: 2px 0; }
 """
 
 
@@ -68,7 +75,13 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
 
 
 def launch(ctx: PlaygroundContext, host: str, port: int) -> None:
+    """Serve the Blocks at / on a FastAPI app that also carries the live feed's route."""
     demo = build_demo(ctx)
     demo.queue(max_size=ctx.limits.queue_size, default_concurrency_limit=ctx.limits.concurrency)
-    demo.launch(server_name=host, server_port=port, css=CSS, theme=gr.themes.Soft(), ssr_mode=False,
-                show_error=True, footer_links=["api"])
+    app = FastAPI()
+    add_route(app, ctx.feeds)
+    app = gr.mount_gradio_app(app, demo, path="/", css=CSS, theme=gr.themes.Soft(), head=PAGE_JS, ssr_mode=False,
+                              show_error=True, footer_links=["api"])
+    print(f"* Running on http://{host}:{port}", flush=True)
+    # An open feed or queue stream must not hold a shutdown (SIGTERM) for long.
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)

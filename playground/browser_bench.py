@@ -5,8 +5,9 @@ side and interleaved repeat by repeat, (1) `engine.generate` / the SSD engine on
 main thread with the page's inspector width, and (2) the same request through a real playground
 server (`python app.py`) in headless Debian Chromium via Playwright, timing the token view in the
 page itself (a MutationObserver stamps every change of the token count with performance.now()).
-It prints medians of: engine-only decode tok/s; the page's tok/s (the engine's own decode rate as
-the page ran it, shown in its status line); their ratio; "× AR" as the engine alone gives it and as
+It prints medians of: engine-only decode tok/s; the same request through the server's API with no
+browser (gradio_client: what the server's pipeline costs); the page's tok/s (the engine's own decode
+rate as the page ran it, shown in its status line); their ratio; "× AR" as the engine alone gives it and as
 the page's status line reads it (against this session's own AR run, when AR is among the methods); the rate the browser saw tokens arrive;
 time to first token (click to first token drawn); the longest gap between token-view updates
 after the first token; the longest main-thread task Chromium reported; and the cores Chromium kept
@@ -42,8 +43,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"
 STARTUP_GUARD_SECONDS = 300  # hang guards only
 RUN_GUARD_MS = 180_000
 
-# Stamps every change of the token count once the status line has left the previous run's
-# "finished"; __done when it says "finished" again.
+# Stamps every change of the token count (the live feed's row while the run streams, then the final
+# token view) once the status line has left the previous run's "finished"; __done when Gradio's
+# status line says "finished" again.
 WATCH_JS = """() => {
   for (const o of window.__observers || []) o.disconnect();
   window.__observers = [];
@@ -53,17 +55,18 @@ WATCH_JS = """() => {
   const tasks = new PerformanceObserver(l => { for (const e of l.getEntries()) window.__longest = Math.max(window.__longest, e.duration); });
   tasks.observe({type: 'longtask', buffered: false});
   window.__observers.push(tasks);
-  const view = document.querySelector('#tokens'), status = document.querySelector('#status');
+  const view = document.querySelector('#tokens'), live = document.querySelector('#tokens-live');
+  const status = document.querySelector('#status');
   let last = -1, running = false;
   const watch = () => {
     const finished = status.textContent.includes('finished');  // textContent: no layout forced
     if (!finished) running = true;
     if (!running) return;  // still the previous run's view
-    const n = view.querySelectorAll('.token').length;
+    const n = Math.max(view.querySelectorAll('.token').length, live.querySelectorAll('.token').length);
     if (n !== last) { last = n; window.__marks.push([performance.now(), n]); }
     if (finished) window.__done = true;
   };
-  for (const el of [view, status]) {
+  for (const el of [view, live, status]) {
     const o = new MutationObserver(watch);
     o.observe(el, {subtree: true, childList: true, characterData: true});
     window.__observers.push(o);
@@ -89,6 +92,15 @@ def engine_only(pair, method: str, k: int, ssd: SSDEngine | None) -> float:
         events = generate(pair.make_target(), drafter, pair.tokenizer, ids, cfg, eos_token_ids=pair.eos_token_ids)
     finish = [e for e in events if isinstance(e, FinishEvent)][-1]
     return finish.metrics["decode_tokens_per_s"]
+
+
+def api_run(client, method: str, k: int) -> float:
+    """Decode tok/s of one /generate call at the page's defaults through the API (no browser)."""
+    d = settings(method, k)
+    outputs = client.predict(DEFAULT_PROMPT, method, k, d["delta"], d["temperature"], d["top_p"], d["top_k"],
+                             d["posterior_threshold"], d["posterior_alpha"], d["max_new_tokens"], d["seed"],
+                             api_name="/generate")
+    return outputs[2]["metrics"]["decode_tokens_per_s"]
 
 
 def start_server(pair: str, port: int, log: Path) -> subprocess.Popen:
@@ -157,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--port", type=int, default=0)
     args = ap.parse_args(argv)
+    from gradio_client import Client
     from playwright.sync_api import sync_playwright
 
     methods = [m for m in args.methods.split(",") if m]
@@ -168,19 +181,24 @@ def main(argv: list[str] | None = None) -> int:
     log.parent.mkdir(exist_ok=True)
     server = start_server(args.pair, port, log)
     rows: dict[str, list[tuple[float, dict]]] = {m: [] for m in methods}
+    api: dict[str, list[float]] = {m: [] for m in methods}
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1440, "height": 900})
             page.goto(f"http://127.0.0.1:{port}")
             page.wait_for_selector("#generate-btn")
+            client = Client(f"http://127.0.0.1:{port}/", verbose=False)
             for method in methods:  # warm-up: first SSD worker start, first chart draw
                 engine_only(pair, method, k, ssd)
+                api_run(client, method, k)
                 page_run(page, method)
             for _ in range(args.repeats):
                 for method in methods:
                     rows[method].append((engine_only(pair, method, k, ssd), page_run(page, method)))
-                    print(method, f"engine {rows[method][-1][0]:.1f} tok/s, page", rows[method][-1][1], flush=True)
+                    api[method].append(api_run(client, method, k))
+                    print(method, f"engine {rows[method][-1][0]:.1f} tok/s, API {api[method][-1]:.1f}, page",
+                          rows[method][-1][1], flush=True)
             browser.close()
     finally:
         server.terminate()
@@ -188,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         if ssd is not None:
             ssd.close()
     print(f"pair {args.pair}, K {k}, defaults {DEFAULT_SETTINGS}, median of {args.repeats}; CPU: {_cpu_name()}")
-    print(f"{'method':8} {'engine tok/s':>12} {'page tok/s':>10} {'ratio':>6} {'x AR engine':>11} {'x AR page':>9} "
+    print(f"{'method':8} {'engine tok/s':>12} {'API tok/s':>9} {'page tok/s':>10} {'ratio':>6} {'x AR engine':>11} {'x AR page':>9} "
           f"{'seen tok/s':>10} {'1st token s':>11} {'longest gap s':>13} {'long task ms':>12} {'browser cores':>13}")
     engine_ar = statistics.median(e for e, _ in rows["ar"]) if rows.get("ar") else None
     for method, results in rows.items():
@@ -198,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
         engine = statistics.median(e for e, _ in results)
         x_ar_engine = engine / engine_ar if engine_ar and method != "ar" else float("nan")
-        print(f"{method:8} {engine:12.1f} {med('page_tps'):10.1f} {med('page_tps') / engine:6.2f} "
+        print(f"{method:8} {engine:12.1f} {statistics.median(api[method]):9.1f} {med('page_tps'):10.1f} {med('page_tps') / engine:6.2f} "
               f"{x_ar_engine:11.2f} {med('x_ar'):9.2f} "
               f"{med('seen_tps'):10.1f} {med('first_token_s'):11.2f} {max(r['longest_gap_s'] for _, r in results):13.2f} "
               f"{max(r['long_task_ms'] for _, r in results):12.0f} {med('browser_cores'):13.2f}")

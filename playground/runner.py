@@ -23,6 +23,7 @@ from engine.models.registry import DEFAULT_FAST_WEIGHTS, ModelPair
 from engine.ssd.ssd_decoding import SSDEngine
 from playground.engine_loop import EngineLoop, RunHandle
 from playground.limits import Limits, inspector_width
+from playground.live_feed import LiveFeeds
 from playground.session import Session, SessionStore
 from playground.state import RunState, reduce, summary
 
@@ -52,6 +53,7 @@ class PlaygroundContext:
     ssd_devices: str = ""  # "target=cpu:0,draft=cpu:1"; empty = the engine's default split
     weight_dtype: str = DEFAULT_FAST_WEIGHTS  # the fast backend's weight format (app.py --weights)
     startup_reference: ARReference | None = None  # a session's reference until it runs AR itself
+    feeds: LiveFeeds = field(default_factory=LiveFeeds)  # the Generate tab's live token feeds
     engine: EngineLoop = field(default_factory=EngineLoop)  # owns every torch call of the synchronous methods
     # SSD pins its thread to the target's cores and torch threads for a whole generation, so it gets
     # its own thread rather than leaking that pinning into other sessions' rounds.

@@ -8,16 +8,19 @@ can change δ, K or SSD's fan-out and watch exactly one round under the new sett
 
 from __future__ import annotations
 
+import time
+
 import gradio as gr
 
 from playground import charts
 from playground.inspector import inspect_figure, inspect_markdown
+from playground.live_feed import ATTACH_SECONDS, feed_html
 from playground.limits import DEFAULT_PROMPT, DEFAULT_SETTINGS, MAX_SSD_BUDGET, METHOD_LABELS, SSD_RULES, UI_METHODS, build_config
 from playground.page import ENGINE_QUEUE, HANG_GUARD_SECONDS, Page
 from playground.runner import VLLM_TARGET_NAMES, start_session_run
 from playground.session import apply_live_change
 from playground.state import RunState, highlighted_tokens
-from playground.views import details, legend, status_line, token_view
+from playground.views import STREAMING_STATUS, details, legend, progress_line, status_line, token_view
 from playground.vllm_config import speculative_config_text
 
 # Chromium shares the machine with the engine: every chart redraw is CPU taken from the engine's
@@ -79,7 +82,9 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
                 seed = gr.Number(value=d["seed"], precision=0, label="seed", minimum=0)
         with gr.Column(scale=2):
             status = gr.Markdown("Ready.", elem_id="status")
+            live = gr.HTML("", elem_id="tokens-live", padding=False)  # the live feed while a run streams
             tokens = token_view("Output (click a token to inspect it)", elem_id="tokens")
+            wants_feed = gr.Checkbox(False, visible=False)  # set by the page's click script (API calls: False)
             gr.Markdown(legend())
             plots = []
             with gr.Row():
@@ -107,24 +112,37 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
 
     def generate(prompt_text, method_v, k_v, delta_v, temp_v, top_p_v, top_k_v, eps_v, alpha_v, max_new_v,
                  seed_v, rule_v="sps", fanout_mode_v="uniform", budget_v=15, c_v=1.0, backup_v="neural",
-                 request: gr.Request = None):
+                 wants_feed_v=False, request: gr.Request = None):
         cfg, prompt_ids = page.validated(prompt_text, method=method_v, k=k_v, delta=delta_v,
                                          posterior_threshold=eps_v, posterior_alpha=alpha_v, temperature=temp_v,
                                          top_p=top_p_v, top_k=top_k_v, max_new_tokens=max_new_v, seed=seed_v,
                                          ssd_rule=rule_v, fanout_mode=fanout_mode_v, budget=budget_v,
                                          downweight_c=c_v, backup=backup_v)
         session = page.session(request)
-        shown, frames = None, 0
-        for run in start_session_run(ctx, session, cfg, prompt_ids, ssd=method_v == "ssd"):
+        runs = start_session_run(ctx, session, cfg, prompt_ids, ssd=method_v == "ssd")
+        run, feed = next(runs), None
+        if wants_feed_v:  # the page streams tokens from the live feed; Gradio updates the status line only
+            handle, loop = session.handle, loop_of(session)  # when the run pauses, resumes or ends
+            feed = ctx.feeds.open(handle, lambda r: progress_line(r, ctx.reference_for(session)),
+                                  lambda: loop.stop(handle))
+            yield [], "Starting…", gr.skip(), gr.Timer(active=True), feed_html(feed.id)
+        shown, frames, paused = None, 0, None
+        for run in runs:
+            if feed is not None and (feed.opened.is_set() or time.monotonic() - feed.created < ATTACH_SECONDS):
+                if run.paused != paused and run.start is not None:
+                    paused = run.paused
+                    yield (gr.skip(), status_line(run, ctx.reference_for(session)) if paused else STREAMING_STATUS,
+                           gr.skip(), gr.skip(), gr.skip())
+                continue  # the page reads the feed (or is about to open it)
             frame = (run.version, run.paused)
             if frame != shown:
                 shown, frames = frame, frames + 1
                 # The status line is Markdown (costly to re-render in the browser): every third frame.
                 status_now = frames % STATUS_EVERY == 1 or run.paused
                 yield (highlighted_tokens(run), status_line(run, ctx.reference_for(session)) if status_now
-                       else gr.skip(), gr.skip(), gr.Timer(active=True) if frames == 1 else gr.skip())
+                       else gr.skip(), gr.skip(), gr.Timer(active=True) if frames == 1 else gr.skip(), gr.skip())
         reference = ctx.reference_for(session)
-        yield highlighted_tokens(run), status_line(run, reference), details(run, reference), gr.Timer(active=False)
+        yield highlighted_tokens(run), status_line(run, reference), details(run, reference), gr.Timer(active=False), ""
 
     def render_charts(request: gr.Request, force: bool = False):
         session = page.session(request)
@@ -192,7 +210,8 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
     gen_inputs = [prompt, method, k, delta, temperature, top_p, top_k, eps, alpha, max_new, seed]
     ssd_inputs = [ssd_rule, fanout_mode, budget, downweight_c, backup]
     gen_event = generate_btn.click(
-        generate, gen_inputs + ssd_inputs, [tokens, status, run_details, timer], api_name="generate",
+        generate, gen_inputs + ssd_inputs + [wants_feed], [tokens, status, run_details, timer, live],
+        api_name="generate", js="(...inputs) => [...inputs.slice(0, -1), true]",
         concurrency_limit=limits.concurrency, concurrency_id=ENGINE_QUEUE,
         time_limit=int(limits.max_seconds) + 30, show_progress="hidden",  # a spinner repaints every frame
     )

@@ -50,6 +50,24 @@ def status_line(run: RunState, reference: ARReference | None) -> str:
     return " · ".join(parts)
 
 
+def progress_line(run: RunState, reference: ARReference | None) -> str:
+    """The live feed's short line while tokens stream: state, tokens, tok/s and × AR (the status line
+    gives the rest when the run pauses or ends)."""
+    if run.start is None and not run.finish:
+        return "starting…"
+    m = summary(run)
+    state = "paused" if run.paused else "finished" if run.finish else "generating…"
+    parts = [f"**{state}**", f"{m.get('new_tokens', 0)} tokens"]
+    tps = m.get("decode_tokens_per_s") or m.get("tokens_per_s")
+    if tps:
+        parts.append(f"{tps:.1f} tok/s" + (f" ({tps / reference.tokens_per_s:.2f}× AR)"
+                                           if reference and run.method != "ar" else ""))
+    return " · ".join(parts)
+
+
+STREAMING_STATUS = "**generating…** · tokens and speed stream below; this line gives the whole picture when the run pauses or ends"
+
+
 def divergence_parts(method: str, m: dict) -> list[str]:
     """The status line's divergence: the exact induced KL per tested position, and Cactus's constraint."""
     if not m.get("tested_positions"):

@@ -297,6 +297,44 @@ def test_ssd_status_says_a_hit_redrafts_its_first_token_and_how_often_the_cached
     assert "kept in 67% of 3" in status_line(run, None)
 
 
+def test_the_live_feed_carries_every_token_once_in_order_and_ends_with_the_run(tiny_pair):
+    """What the page's live view is sent: the run's cells exactly (no gap, no repeat), a live line,
+    done last; the feed's messages fold the run like Gradio frames did."""
+    import asyncio
+
+    from playground.live_feed import LiveFeeds, messages
+    from playground.views import progress_line
+
+    ctx = PlaygroundContext("tiny", tiny_pair)
+    control = SpecConfig(method="cactus", max_new_tokens=40, temperature=0.8, top_k=20, seed=2,
+                         inspect_top_n=inspector_width(tiny_pair.vocab_size, 20))
+    handle = start_run(ctx, control, tiny_pair.encode_prompt("hi"), RunState(method="cactus"), time.monotonic() + 600)
+    feed = LiveFeeds().open(handle, lambda r: progress_line(r, None), lambda: ctx.engine.stop(handle))
+
+    async def collect() -> list[dict]:
+        return [m async for m in messages(feed, frame_seconds=0.01)]
+
+    sent = asyncio.run(collect())
+    assert feed.opened.is_set() and sent[-1].get("done") and all(not m.get("done") for m in sent[:-1])
+    cells = [cell for m in sent for cell in m["cells"]]
+    assert cells == [list(c) for c in highlighted_tokens(handle.state())] and len(cells) > 0
+    assert "finished" in sent[-1]["status"] and "<b>" in sent[-1]["status"]  # Markdown bold as HTML
+
+
+def test_inspector_candidates_wait_for_a_reader_and_equal_the_eager_ones(tiny_pair):
+    """Folding a round computes divergences and tests, not the vocabulary-wide candidates (sparse
+    rows are kept for them); reading them later gives exactly what computing them at once gave."""
+    from engine.decoding import _all_candidates
+
+    state = _run(tiny_pair, method="ar")  # sparse rows (top-k); the tiny draft's dense rows get theirs eagerly
+    details = state.tokens[0].details
+    assert details._pending_candidates is not None and not details._candidates  # not computed by folding
+    cfg, result, rows, tokens, tokenizer = details._pending_candidates
+    eager = _all_candidates(cfg, result, rows, tokens, tokenizer)
+    assert state.tokens[0].candidates == eager[0] and len(eager[0]) > 0
+    assert details._pending_candidates is None
+
+
 def test_an_engine_loop_thread_exits_with_its_last_job_so_no_idle_openmp_team_outlives_it(tiny_pair):
     """An idle OpenMP team left by a second thread (the SSD loop's, after one SSD run) throttles
     every team's spinning: each loop's thread lives only while it has calls or runs."""

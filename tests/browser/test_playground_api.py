@@ -34,7 +34,7 @@ def _direct(prompt: str, method: str, seed: int, max_new: int, pair: ModelPair |
 
 
 def test_generate_endpoint_returns_coloured_tokens_and_metrics(playground_url):
-    tokens, status, details, _ = _client(playground_url).predict(*ARGS, api_name="/generate")
+    tokens, status, details, _, _ = _client(playground_url).predict(*ARGS, api_name="/generate")
     assert details["finish_reason"] in ("max_new_tokens", "eos")
     assert len(tokens) == len(details["token_ids"]) > 0
     assert {t["class_or_confidence"] for t in tokens} <= {"accepted", "recovered", "bonus"}
@@ -81,7 +81,7 @@ def test_pause_change_delta_step_and_stop(playground_url):
     client.predict(0.3, api_name="/set_delta")
     assert "paused after round 1" in client.predict(api_name="/step")
     client.predict(api_name="/stop")
-    _, status, details, _ = job.result(timeout=120)
+    _, status, details, _, _ = job.result(timeout=120)
     assert details["finish_reason"] == "stopped", status
     assert details["metrics"]["num_rounds"] == 2 and 2 <= len(details["token_ids"]) <= 2 * (ARGS[2] + 1)
     changes = [c for c in details["config_changes"] if "delta" in c["changes"]]
@@ -110,7 +110,7 @@ def _eight_sessions(url: str, clients: list[Client], max_new: int) -> list[dict]
     """Each session's own request, all eight at once; the API's details per session, in order."""
     def one(session):
         client, (prompt, method, seed) = session
-        _, _, details, _ = client.predict(prompt, method, 4, 1.0, 0.8, 0.95, 40, 0.09, 0.3, max_new, seed,
+        _, _, details, _, _ = client.predict(prompt, method, 4, 1.0, 0.8, 0.95, 40, 0.09, 0.3, max_new, seed,
                                           api_name="/generate")
         return details
 
@@ -138,7 +138,7 @@ def test_eight_concurrent_sessions_on_the_default_pair(default_playground_url, d
     clients = [_client(default_playground_url) for _ in SESSIONS]
     own = {}
     for i, (client, (prompt, _, seed)) in enumerate(zip(clients[:4], SESSIONS)):
-        _, _, details, _ = client.predict(prompt, "ar", 4, 1.0, 0.8, 0.95, 40, 0.09, 0.3, AR_REFERENCE_TOKENS + 8,
+        _, _, details, _, _ = client.predict(prompt, "ar", 4, 1.0, 0.8, 0.95, 40, 0.09, 0.3, AR_REFERENCE_TOKENS + 8,
                                           seed, api_name="/generate")
         assert details["metrics"]["new_tokens"] >= AR_REFERENCE_TOKENS, details["finish_reason"]
         own[i] = details["ar_reference"]
@@ -163,7 +163,7 @@ def test_ssd_through_the_api_is_greedy_lossless(playground_url):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("SSD needs two cores")
     args = ("The sea is", "ssd", 4, 1.0, 0.0, 1.0, 0, 0.09, 0.3, 16, 0, "sps", "geometric", 12, 1.0, "neural")
-    _, status, details, _ = _client(playground_url).predict(*args, api_name="/generate")
+    _, status, details, _, _ = _client(playground_url).predict(*args, api_name="/generate")
     assert details["token_ids"] == _direct("The sea is", "ar", 0, 16, temperature=0.0)
     assert details["method"] == "ssd" and details["metrics"]["cache_lookups"] > 0
     assert "SSD cache hit rate" in status and "draft=cpu" in status
@@ -183,9 +183,34 @@ def test_ssd_fanout_and_c_change_while_paused(playground_url):
     assert "applies within two rounds" in client.predict(0.5, api_name="/set_downweight_c")
     assert "paused after round 1" in client.predict(api_name="/step")
     client.predict(api_name="/resume")
-    _, status, details, _ = job.result(timeout=120)
+    _, status, details, _, _ = job.result(timeout=120)
     assert details["finish_reason"] == "max_new_tokens", status
     assert details["config_changes"] == [{"round": 2, "token": details["config_changes"][0]["token"],
                                           "changes": {"ssd_fanout_mode": ["uniform", "geometric"],
                                                       "downweight_c": [1.0, 0.5]}}]
     assert details["token_ids"] == _direct("The sea is", "ar", 0, 24, temperature=0.0)
+
+
+def test_a_page_that_leaves_its_live_feed_stops_its_run(playground_url):
+    """A click from the page asks for a live feed (the hidden flag): the run's first update names
+    it, the feed streams the run's tokens as server-sent events, and closing it before the run
+    ends stops the run, as closing a Gradio stream does. Pause is armed, so the run is parked
+    after round 0 while the feed is read: no timing."""
+    import json
+    import re
+    import urllib.request
+
+    client = _client(playground_url)
+    args = list(ARGS) + ["sps", "uniform", 15, 1.0, "neural", True]  # SSD settings, then wants_feed
+    args[9] = 256
+    assert "armed" in client.predict(api_name="/pause")
+    job = client.submit(*args, api_name="/generate")
+    _wait_for_output(job)
+    feed = re.search(r"data-feed='([^']+)'", job.outputs()[0][4]).group(1)
+    with urllib.request.urlopen(playground_url + feed, timeout=60) as stream:
+        first = next(line for line in stream if line.startswith(b"data: "))
+    message = json.loads(first[len(b"data: "):])
+    assert len(message["cells"]) >= 1 and "paused" in message["status"]  # round 0's tokens, the live line
+    _, status, details, _, live = job.result(timeout=120)
+    assert details["finish_reason"] == "stopped" and live == "", status
+    assert details["metrics"]["num_rounds"] == 1

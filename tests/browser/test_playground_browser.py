@@ -66,6 +66,10 @@ def test_generate_live_tune_inspect_and_compare(page):
     page.click("#generate-btn")
 
     expect(page.locator("#status")).to_contain_text("paused after round 0", timeout=60_000)
+    # Tokens stream through the live feed, whose row stands in for the token view until the run ends.
+    expect(page.locator("#tokens-live .token").first).to_be_visible()
+    expect(page.locator("#tokens-live .live-status")).to_contain_text("paused")
+    expect(page.locator("#tokens")).to_be_hidden()
     delta = page.get_by_label("number input for δ (Cactus: bound on each step's KL(h‖T), nats)")
     delta.fill("0.3")
     delta.press("Enter")
@@ -74,6 +78,8 @@ def test_generate_live_tune_inspect_and_compare(page):
     expect(page.locator("#live-msg")).to_contain_text("paused after round 1", timeout=60_000)
     page.click("#resume-btn")
     expect(page.locator("#status")).to_contain_text("finished", timeout=120_000)
+    expect(page.locator("#tokens")).to_be_visible()  # the final, clickable token view is back
+    expect(page.locator("#tokens-live .token")).to_have_count(0)
 
     colours = page.evaluate("""() => [...document.querySelectorAll('#tokens .token')]
         .map(e => getComputedStyle(e).backgroundColor)""")
