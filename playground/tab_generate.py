@@ -215,7 +215,8 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
         concurrency_limit=limits.concurrency, concurrency_id=ENGINE_QUEUE,
         time_limit=int(limits.max_seconds) + 30, show_progress="hidden",  # a spinner repaints every frame
     )
-    gen_event.then(final_charts, None, [*plots, timer], api_visibility="private", concurrency_limit=None)
+    gen_event.then(final_charts, None, [*plots, timer], api_visibility="private", concurrency_limit=None,
+                   show_progress="hidden")
     timer.tick(render_charts, None, plots, concurrency_limit=None, show_progress="hidden", api_visibility="private")
     for button, handler, name in ((pause_btn, pause, "pause"), (step_btn, step, "step"),
                                   (resume_btn, resume, "resume"), (stop_btn, stop, "stop")):
@@ -281,9 +282,9 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
     for component in vllm_inputs:
         component.change(show_vllm, vllm_inputs, [vllm_code], concurrency_limit=None, show_progress="hidden",
                          api_visibility="private")
-    demo.load(show_vllm, vllm_inputs, [vllm_code], api_visibility="private")
+    demo.load(show_vllm, vllm_inputs, [vllm_code], api_visibility="private", show_progress="hidden")
     # The first screen: every chart titled, with a one-line hint, before any run (this also loads
     # Plotly before the first run instead of blocking the page when the first tokens arrive).
-    demo.load(lambda: figures(RunState(), None), None, plots, api_visibility="private")
+    demo.load(lambda: figures(RunState(), None), None, plots, api_visibility="private", show_progress="hidden")
     return {"prompt": prompt, "method": method, "k": k, "delta": delta, "temperature": temperature, "top_p": top_p,
             "top_k": top_k, "posterior_threshold": eps, "posterior_alpha": alpha}

@@ -61,9 +61,9 @@ def build(page: Page, demo: gr.Blocks, tabs: gr.Tabs, generate: dict[str, gr.com
         return p.prompt, p.method, p.k, p.delta, p.temperature, text
 
     preset.change(apply_preset, [preset], [l_prompt, l_method, l_k, l_delta, l_temp, l_look_for],
-                  api_visibility="private", concurrency_limit=None)
+                  api_visibility="private", concurrency_limit=None, show_progress="hidden")
     demo.load(apply_preset, [preset], [l_prompt, l_method, l_k, l_delta, l_temp, l_look_for],
-              api_visibility="private")
+              api_visibility="private", show_progress="hidden")
 
     def tutor_view(session: Session):
         run = session.tutor_state
