@@ -40,8 +40,10 @@ class RandomDraws:
 
     __slots__ = ("_u_accept", "_u_sample", "_span")
 
-    def __init__(self, u_accept: torch.Tensor, u_sample: torch.Tensor) -> None:
-        self._u_accept, self._u_sample, self._span = u_accept, u_sample, None
+    def __init__(self, u_accept: torch.Tensor | None, u_sample: torch.Tensor | None) -> None:
+        """Both tensors, or (from `take` only) neither: then they are read from the stream's span."""
+        self._u_accept, self._u_sample = u_accept, u_sample
+        self._span: tuple[torch.Tensor, int, int] | None = None
 
     @staticmethod
     def draw(batch: int, k: int, generator: torch.Generator | None = None) -> "RandomDraws":

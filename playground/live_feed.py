@@ -30,7 +30,7 @@ from playground.engine_loop import RunHandle
 from playground.state import EMPTY_TOKEN_TEXT, STATUS_COLOURS, RunState
 
 ROUTE = "/specplay/live/{feed_id}"
-FEED_SECONDS = 0.1  # how often a feed sends what the run added (a message costs the browser ~1 ms)
+FEED_SECONDS = 0.1  # how often a feed sends what the run added (a message costs Chromium one paint of the row)
 STATUS_EVERY = 3  # feed messages per status-line refresh
 ATTACH_SECONDS = 2.0  # a page that asked for a feed but has not opened it by then gets Gradio frames
 FEED_TTL_SECONDS = 600.0  # an unopened feed is forgotten after this
@@ -72,11 +72,10 @@ class LiveFeeds:
             self._feeds.pop(feed_id, None)
 
 
-def feed_html(feed_id: str | None) -> str:
-    """The live view's value: an empty token row that the page script fills from the feed."""
-    if feed_id is None:
-        return ""
-    return (f"<div class='live-feed' data-feed='{ROUTE.format(feed_id=feed_id)}'>"
+def feed_html(feed_id: str) -> str:
+    """The live view's value: an empty token row that the page script fills from the feed. The URL
+    is relative to the page, so it holds behind a proxy that serves the app under a path."""
+    return (f"<div class='live-feed' data-feed='{ROUTE.format(feed_id=feed_id).lstrip('/')}'>"
             "<div class='live-status'></div><div class='live-tokens token-view'></div></div>")
 
 

@@ -65,7 +65,8 @@ def progress_line(run: RunState, reference: ARReference | None) -> str:
     return " · ".join(parts)
 
 
-STREAMING_STATUS = "**generating…** · tokens and speed stream below; this line gives the whole picture when the run pauses or ends"
+STREAMING_STATUS = ("**generating…** · tokens and speed stream below; this line gives the whole picture when "
+                    "the run pauses or ends")
 
 
 def divergence_parts(method: str, m: dict) -> list[str]:
