@@ -19,19 +19,7 @@ def status_line(run: RunState, reference: ARReference | None) -> str:
     """One line that agrees with the charts: state, tokens, tok/s and × AR against the session's reference."""
     if run.start is None and not run.error:
         return "Starting…" if run.config else "Ready."
-    m = summary(run)
-    state = ("error: " + run.error if run.error and run.finish is None else
-             f"finished ({run.finish.reason})" if run.finish else
-             f"paused after round {len(run.rounds) - 1} (Step or Resume)" if run.paused else "generating…")
-    if run.error and run.finish is not None:
-        state = f"finished ({run.finish.reason}): {run.error}"
-    tps = m.get("decode_tokens_per_s") or m.get("tokens_per_s")
-    parts = [f"**{state}**", f"{m.get('new_tokens', 0)} tokens"]
-    if tps:
-        speed = f"{tps:.1f} tok/s"
-        if reference and run.method != "ar":
-            speed += f" (**{tps / reference.tokens_per_s:.2f}× AR**; reference {reference.how})"
-        parts.append(speed)
+    m, parts = _headline(run, reference, say_how=True)
     if m.get("mean_acceptance_length"):
         parts.append(f"mean acceptance length {m['mean_acceptance_length']:.2f}")
     if m.get("draft_acceptance_rate") is not None:
@@ -51,18 +39,31 @@ def status_line(run: RunState, reference: ARReference | None) -> str:
 
 
 def progress_line(run: RunState, reference: ARReference | None) -> str:
-    """The live feed's short line while tokens stream: state, tokens, tok/s and × AR (the status line
-    gives the rest when the run pauses or ends)."""
-    if run.start is None and not run.finish:
+    """The live feed's short line while tokens stream: the status line's state, tokens, tok/s and
+    × AR (the status line gives the rest when the run pauses or ends)."""
+    if run.start is None and not run.error:
         return "starting…"
+    return " · ".join(_headline(run, reference, say_how=False)[1])
+
+
+def _headline(run: RunState, reference: ARReference | None, *, say_how: bool) -> tuple[dict, list[str]]:
+    """The run's summary and the first parts of its lines: state, tokens, tok/s and × AR (with how
+    the reference was measured when `say_how`)."""
     m = summary(run)
-    state = "paused" if run.paused else "finished" if run.finish else "generating…"
-    parts = [f"**{state}**", f"{m.get('new_tokens', 0)} tokens"]
+    state = ("error: " + run.error if run.error and run.finish is None else
+             f"finished ({run.finish.reason})" if run.finish else
+             f"paused after round {len(run.rounds) - 1} (Step or Resume)" if run.paused else "generating…")
+    if run.error and run.finish is not None:
+        state = f"finished ({run.finish.reason}): {run.error}"
     tps = m.get("decode_tokens_per_s") or m.get("tokens_per_s")
+    parts = [f"**{state}**", f"{m.get('new_tokens', 0)} tokens"]
     if tps:
-        parts.append(f"{tps:.1f} tok/s" + (f" ({tps / reference.tokens_per_s:.2f}× AR)"
-                                           if reference and run.method != "ar" else ""))
-    return " · ".join(parts)
+        speed = f"{tps:.1f} tok/s"
+        if reference and run.method != "ar":
+            x_ar = f"{tps / reference.tokens_per_s:.2f}× AR"
+            speed += f" (**{x_ar}**; reference {reference.how})" if say_how else f" ({x_ar})"
+        parts.append(speed)
+    return m, parts
 
 
 STREAMING_STATUS = ("**generating…** · tokens and speed stream below; this line gives the whole picture when "
