@@ -25,7 +25,8 @@ from playground.vllm_config import speculative_config_text
 
 # Chromium shares the machine with the engine: every chart redraw is CPU taken from the engine's
 # OpenMP team (measured with playground.browser_bench). So while a run streams, only the two key
-# charts next to the tokens redraw, one of them a second in turn; all seven redraw when it pauses or ends.
+# charts next to the tokens redraw, one of them at a time in turn (over the live feed, or on the
+# timer for a page without one); all seven redraw when it pauses or ends.
 CHART_HZ = 1.0
 CHART_IDS = ("chart-per-position", "chart-histogram", "chart-divergence", "chart-throughput", "chart-timeline",
              "chart-ssd", "chart-speedup")
@@ -110,6 +111,15 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
         all_figures = charts.live_figures(run, reference.tokens_per_s if reference else None)
         return [all_figures[i] for i in order]
 
+    def live_chart(session, run: RunState, turn: int):
+        """The live chart whose turn it is and its figure. One per redraw: a Plotly redraw blocks the
+        page's main thread, and two at once held the token view for over 0.3 s."""
+        chart_id = LIVE_CHART_IDS[turn % len(LIVE_CHART_IDS)]
+        if chart_id == "chart-throughput":
+            reference = ctx.reference_for(session)
+            return chart_id, charts.throughput(run, reference.tokens_per_s if reference else None)
+        return chart_id, charts.divergence_budget(run)
+
     def generate(prompt_text, method_v, k_v, delta_v, temp_v, top_p_v, top_k_v, eps_v, alpha_v, max_new_v,
                  seed_v, rule_v="sps", fanout_mode_v="uniform", budget_v=15, c_v=1.0, backup_v="neural",
                  wants_feed_v=False, request: gr.Request = None):
@@ -123,16 +133,21 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
         run, feed = next(runs), None
         if wants_feed_v:  # the page streams tokens from the live feed; Gradio updates the status line only
             handle, loop = session.handle, loop_of(session)  # when the run pauses, resumes or ends
+
+            def feed_chart(r: RunState, turn: int) -> tuple[str, dict]:
+                chart_id, figure = live_chart(session, r, turn)
+                return chart_id, figure.to_plotly_json()
+
             feed = ctx.feeds.open(handle, lambda r: progress_line(r, ctx.reference_for(session)),
-                                  lambda: loop.stop(handle))
-            yield [], "Starting…", gr.skip(), gr.Timer(active=True), feed_html(feed.id)
+                                  lambda: loop.stop(handle), feed_chart)
+            yield [], "Starting…", gr.skip(), gr.skip(), feed_html(feed.id)
         shown, frames, paused = None, 0, None
         for run in runs:
             if feed is not None and (feed.opened.is_set() or time.monotonic() - feed.created < ATTACH_SECONDS):
-                if run.paused != paused and run.start is not None:
+                if run.paused != paused and run.start is not None:  # the timer draws every chart while paused
                     paused = run.paused
                     yield (gr.skip(), status_line(run, ctx.reference_for(session)) if paused else STREAMING_STATUS,
-                           gr.skip(), gr.skip(), gr.skip())
+                           gr.skip(), gr.Timer(active=paused), gr.skip())
                 continue  # the page reads the feed (or is about to open it)
             frame = (run.version, run.paused)
             if frame != shown:
@@ -153,13 +168,8 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
         session.rendered_version = (run.version, streaming)
         if not streaming:
             return figures(run, ctx.reference_for(session))
-        # While tokens stream, one live chart per tick: a Plotly redraw blocks the page's main thread
-        # (~150 ms each on 2 cores), and two in one tick held the token view for over 0.3 s.
-        live = LIVE_CHART_IDS[session.chart_turn % len(LIVE_CHART_IDS)]
+        live, figure = live_chart(session, run, session.chart_turn)
         session.chart_turn += 1
-        reference = ctx.reference_for(session)
-        figure = charts.throughput(run, reference.tokens_per_s if reference else None) \
-            if live == "chart-throughput" else charts.divergence_budget(run)
         return [figure if p.elem_id == live else gr.skip() for p in plots]
 
     def final_charts(request: gr.Request):

@@ -321,6 +321,55 @@ def test_the_live_feed_carries_every_token_once_in_order_and_ends_with_the_run(t
     assert "finished" in sent[-1]["status"] and "<b>" in sent[-1]["status"]  # Markdown bold as HTML
 
 
+def test_the_live_feed_draws_the_live_charts_in_turn_while_the_run_streams(tiny_pair):
+    """Every CHART_EVERY messages the feed carries the next live chart (Plotly JSON for the page's
+    `Plotly.react`), built from the run as folded so far; none while the run is parked, none with
+    the last message (Gradio's final update draws every chart). The run's real events are handed to
+    the feed one round per message, so nothing depends on timing."""
+    import asyncio
+
+    from engine.events import RoundEvent
+    from playground.engine_loop import RunHandle
+    from playground.live_feed import CHART_EVERY, LiveFeeds, messages
+
+    cfg = SpecConfig(method="cactus", temperature=0.8, top_k=20, max_new_tokens=40, seed=3,
+                     inspect_top_n=inspector_width(tiny_pair.vocab_size, 20))
+    events = list(generate(tiny_pair.make_target(), tiny_pair.make_drafter(), tiny_pair.tokenizer,
+                           tiny_pair.encode_prompt("hi"), cfg, eos_token_ids=frozenset()))
+    rounds = [i + 1 for i, e in enumerate(events) if isinstance(e, RoundEvent)]
+    assert len(rounds) > 3 * CHART_EVERY
+    handle = RunHandle(lambda: iter(()), RunState(method="cactus"), time.monotonic() + 600)
+    ids = ("chart-throughput", "chart-divergence")
+
+    def chart(run: RunState, turn: int) -> tuple[str, dict]:
+        figure = charts.throughput(run, None) if turn % 2 == 0 else charts.divergence_budget(run)
+        return ids[turn % 2], figure.to_plotly_json()
+
+    feed = LiveFeeds().open(handle, lambda r: f"{len(r.tokens)} tokens", lambda: None, chart)
+    parked_at = 2 * CHART_EVERY - 1  # the second chart's turn comes while the run is parked
+
+    async def collect() -> list[dict]:
+        sent, feed_messages = [], messages(feed, frame_seconds=0)
+        for n, end in enumerate(rounds):
+            handle.events[:] = events[:end]
+            handle.rounds_done, handle.parked = n + 1, n == parked_at
+            if end == rounds[-1]:
+                handle.events[:] = events
+                handle.done.set()
+            sent.append(await anext(feed_messages))
+        return sent
+
+    sent = asyncio.run(collect())
+    charted = [(i, m["charts"]) for i, m in enumerate(sent) if "charts" in m]
+    assert [i for i, _ in charted] == [i for i in range(len(sent) - 1)
+                                       if i % CHART_EVERY == CHART_EVERY - 1 and i != parked_at]
+    assert [next(iter(c)) for _, c in charted] == [ids[t % 2] for t in range(len(charted))]  # in turn
+    first = charted[0][1]["chart-throughput"]
+    assert first["layout"]["title"]["text"] == "Tokens/s over time"
+    assert len(first["data"][0]["x"]) == CHART_EVERY  # the rounds folded when it was built
+    assert sent[-1].get("done") and "charts" not in sent[-1]
+
+
 def test_inspector_candidates_wait_for_a_reader_and_equal_the_eager_ones(tiny_pair):
     """Folding a round computes divergences and tests, not the vocabulary-wide candidates (sparse
     rows are kept for them); reading them later gives exactly what computing them at once gave."""
