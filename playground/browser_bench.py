@@ -7,7 +7,8 @@ server (`python app.py`) in headless Debian Chromium via Playwright, timing the 
 page itself (a MutationObserver stamps every change of the token count with performance.now()).
 It prints medians of: engine-only decode tok/s; the same request through the server's API with no
 browser (gradio_client: what the server's pipeline costs); the page's tok/s (the engine's own decode
-rate as the page ran it, shown in its status line); their ratio; "× AR" as the engine alone gives it and as
+rate as the page ran it, shown in its status line); their ratio (the median of per-repeat ratios,
+each page run against the engine-only run just before it, and each ratio); "× AR" as the engine alone gives it and as
 the page's status line reads it (against this session's own AR run, when AR is among the methods); the rate the browser saw tokens arrive;
 time to first token (click to first token drawn); the longest gap between token-view updates
 after the first token; the longest main-thread task Chromium reported; and the cores Chromium kept
@@ -224,19 +225,24 @@ def main(argv: list[str] | None = None) -> int:
             ssd.close()
     print(f"pair {args.pair}, K {k}, defaults {DEFAULT_SETTINGS}, median of {args.repeats}; CPU: {_cpu_name()}")
     print(f"{'method':8} {'engine tok/s':>12} {'API tok/s':>9} {'page tok/s':>10} {'ratio':>6} {'x AR engine':>11} {'x AR page':>9} "
-          f"{'seen tok/s':>10} {'1st token s':>11} {'longest gap s':>13} {'long task ms':>12} {'browser cores':>13}")
-    engine_ar = statistics.median(e for e, _ in rows["ar"]) if rows.get("ar") else None
+          f"{'seen tok/s':>10} {'1st token s':>11} {'longest gap s':>13} {'long task ms':>12} {'browser cores':>13}  "
+          "page/engine per repeat")
+    # Ratios are medians of per-repeat ratios (each page run against the engine-only run just before
+    # it; each method against AR in the same repeat), so the VM's drift between repeats cancels.
     for method, results in rows.items():
         def med(key: str) -> float:
             values = [r[key] for _, r in results if r[key] is not None]
             return statistics.median(values) if values else float("nan")
 
         engine = statistics.median(e for e, _ in results)
-        x_ar_engine = engine / engine_ar if engine_ar and method != "ar" else float("nan")
-        print(f"{method:8} {engine:12.1f} {statistics.median(api[method]):9.1f} {med('page_tps'):10.1f} {med('page_tps') / engine:6.2f} "
-              f"{x_ar_engine:11.2f} {med('x_ar'):9.2f} "
+        ratios = [r["page_tps"] / e for e, r in results]
+        x_ar_engine = statistics.median(e / ar for (e, _), (ar, _) in zip(results, rows["ar"])) \
+            if rows.get("ar") and method != "ar" else float("nan")
+        print(f"{method:8} {engine:12.1f} {statistics.median(api[method]):9.1f} {med('page_tps'):10.1f} "
+              f"{statistics.median(ratios):6.2f} {x_ar_engine:11.2f} {med('x_ar'):9.2f} "
               f"{med('seen_tps'):10.1f} {med('first_token_s'):11.2f} {max(r['longest_gap_s'] for _, r in results):13.2f} "
-              f"{max(r['long_task_ms'] for _, r in results):12.0f} {med('browser_cores'):13.2f}")
+              f"{max(r['long_task_ms'] for _, r in results):12.0f} {med('browser_cores'):13.2f}  "
+              + " / ".join(f"{x:.2f}" for x in ratios))
     return 0
 
 
