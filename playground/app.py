@@ -19,7 +19,7 @@ from playground import tab_compare, tab_generate, tab_learn, tab_sweep
 from playground.live_feed import PAGE_JS, add_route
 from playground.page import Page
 from playground.runner import VLLM_TARGET_NAMES, PlaygroundContext
-from playground.tracker_clock import add_to_page
+from playground.tracker_clock import ClockFirst
 
 CSS = """
 .token-view span { font-family: ui-monospace, monospace; }
@@ -83,7 +83,7 @@ def launch(ctx: PlaygroundContext, host: str, port: int) -> None:
     add_route(app, ctx.feeds)
     app = gr.mount_gradio_app(app, demo, path="/", css=CSS, theme=gr.themes.Soft(), head=PAGE_JS, ssr_mode=False,
                               show_error=True, footer_links=["api"])
-    add_to_page(app)
+    app.add_middleware(ClockFirst)
     print(f"* Running on http://{host}:{port}", flush=True)
     # An open feed or queue stream must not hold a shutdown (SIGTERM) for long.
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)

@@ -9,7 +9,7 @@ A script that runs before Gradio's modules capture `window.requestAnimationFrame
 callback to the next frame after `TICK_MS` instead: the clock still shows every tenth of a second.
 
 Gradio places a Blocks' `head` into the page at run time, after its modules load, so the script
-goes into the served HTML itself (`add_to_page`). The clock's callback is recognised by its
+goes into the served HTML itself (`ClockFirst`). The clock's callback is recognised by its
 source (it reads `performance.now()` against its start, divides by 1e3 and re-arms itself); a
 Gradio that words it differently is not throttled, and the browser test that counts the deferred
 ticks fails.
@@ -31,16 +31,37 @@ TRACKER_CLOCK_JS = """<script>
 </script>""" % TICK_MS
 
 
-def add_to_page(app) -> None:
-    """Put `TRACKER_CLOCK_JS` first in the <head> of every HTML page the app serves."""
-    from starlette.responses import Response
+class ClockFirst:
+    """ASGI middleware: `TRACKER_CLOCK_JS` first in the <head> of every HTML page served. Any other
+    response (the queue's and the live feed's event streams included) passes through untouched."""
 
-    @app.middleware("http")
-    async def clock_first(request, call_next):
-        response = await call_next(request)
-        if request.method != "GET" or not response.headers.get("content-type", "").startswith("text/html"):
-            return response
-        body = b"".join([chunk async for chunk in response.body_iterator])
-        body = body.replace(b"<head>", b"<head>" + TRACKER_CLOCK_JS.encode(), 1)
-        headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
-        return Response(body, status_code=response.status_code, headers=headers)
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "GET":
+            await self.app(scope, receive, send)
+            return
+        start: dict | None = None
+        body: list[bytes] = []
+
+        async def rewrite(message: dict) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers", []))
+                if not headers.get(b"content-type", b"").startswith(b"text/html"):
+                    await send(message)
+                    return
+                start = message  # held until the whole page is in
+            elif start is None:
+                await send(message)
+            else:
+                body.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    page = b"".join(body).replace(b"<head>", b"<head>" + TRACKER_CLOCK_JS.encode(), 1)
+                    headers = [(k, str(len(page)).encode() if k == b"content-length" else v)
+                               for k, v in start.get("headers", [])]
+                    await send({**start, "headers": headers})
+                    await send({"type": "http.response.body", "body": page})
+
+        await self.app(scope, receive, rewrite)
