@@ -1,9 +1,10 @@
 """Gradio's status-tracker clock, ticked ten times a second instead of on every animation frame.
 
 Why: Gradio's StatusTracker counts a pending event's elapsed time in a `requestAnimationFrame` loop
-(`performance.now()` every frame; it shows tenths of a second), and the app's own loading tracker
-is unmounted while still pending, so its loop never stops: every open page asked Chromium for a
-frame 50-80 times a second, for as long as it stayed open (Gradio 6.31). With Chromium on the
+(`performance.now()` every frame; it shows tenths of a second) until an effect sees the status
+leave "pending". The app's own loading tracker is unmounted the moment the app has loaded, before
+that effect runs, so its loop never stops: every open page asked Chromium for a frame 50-80 times
+a second for as long as it stayed open (Gradio 6.31; seen by counting the loop's calls per tracker). With Chromium on the
 engine's two cores that kept an idle page at 0.06-0.09 cores, and cost the same during every run.
 A script that runs before Gradio's modules capture `window.requestAnimationFrame` hands that one
 callback to the next frame after `TICK_MS` instead: the clock still shows every tenth of a second.
