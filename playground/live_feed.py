@@ -38,7 +38,7 @@ from playground.state import EMPTY_TOKEN_TEXT, STATUS_COLOURS, RunState
 ROUTE = "/specplay/live/{feed_id}"
 FEED_SECONDS = 0.1  # how often a feed sends what the run added (a message costs Chromium one paint of the row)
 STATUS_EVERY = 3  # feed messages per status-line refresh
-CHART_EVERY = 5  # feed messages per live-chart redraw (one chart each time, in turn)
+CHART_EVERY = 10  # feed messages per live-chart redraw (one chart a second, in turn: each every 2 s)
 ATTACH_SECONDS = 2.0  # a page that asked for a feed but has not opened it by then gets Gradio frames
 FEED_TTL_SECONDS = 600.0  # an unopened feed is forgotten after this
 

@@ -332,7 +332,7 @@ def test_the_live_feed_draws_the_live_charts_in_turn_while_the_run_streams(tiny_
     from playground.engine_loop import RunHandle
     from playground.live_feed import CHART_EVERY, LiveFeeds, messages
 
-    cfg = SpecConfig(method="cactus", temperature=0.8, top_k=20, max_new_tokens=40, seed=3,
+    cfg = SpecConfig(method="cactus", temperature=0.8, top_k=20, max_new_tokens=120, seed=3,
                      inspect_top_n=inspector_width(tiny_pair.vocab_size, 20))
     events = list(generate(tiny_pair.make_target(), tiny_pair.make_drafter(), tiny_pair.tokenizer,
                            tiny_pair.encode_prompt("hi"), cfg, eos_token_ids=frozenset()))
