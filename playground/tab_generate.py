@@ -14,7 +14,7 @@ import gradio as gr
 
 from playground import charts
 from playground.inspector import inspect_figure, inspect_markdown
-from playground.live_feed import ATTACH_SECONDS, feed_html
+from playground.live_feed import ATTACH_SECONDS, CHART_EVERY, FEED_SECONDS, feed_html
 from playground.limits import DEFAULT_PROMPT, DEFAULT_SETTINGS, MAX_SSD_BUDGET, METHOD_LABELS, SSD_RULES, UI_METHODS, build_config
 from playground.page import ENGINE_QUEUE, HANG_GUARD_SECONDS, Page
 from playground.runner import VLLM_TARGET_NAMES, start_session_run
@@ -27,7 +27,7 @@ from playground.vllm_config import speculative_config_text
 # OpenMP team (measured with playground.browser_bench). So while a run streams, only the two key
 # charts next to the tokens redraw, one of them at a time in turn (over the live feed, or on the
 # timer for a page without one); all seven redraw when it pauses or ends.
-CHART_HZ = 1.0
+CHART_HZ = 1.0 / (CHART_EVERY * FEED_SECONDS)  # the feed's chart cadence, for a page without one
 CHART_IDS = ("chart-per-position", "chart-histogram", "chart-divergence", "chart-throughput", "chart-timeline",
              "chart-ssd", "chart-speedup")
 LIVE_CHART_IDS = ("chart-throughput", "chart-divergence")
