@@ -262,12 +262,17 @@ def lookup_continuation(context: Sequence[int], k: int, max_ngram: int, min_ngra
     return []
 
 
-def branch_proposals(tokens: list[torch.Tensor], rows: list[torch.Tensor]) -> list[Proposal]:
-    """Per-branch proposals from a tree pass's per-depth draws ([n] tokens, [n, V] rows each)."""
+def branch_proposals(tokens: list[torch.Tensor], rows: list[torch.Tensor], ids: list[torch.Tensor] | None = None,
+                     vocab_size: int = 0) -> list[Proposal]:
+    """Per-branch proposals from a tree pass's per-depth draws ([n] tokens, [n, V] rows each, or
+    [n, w] rows over the token ids `ids` [n, w] each: the sparse form, kept sparse)."""
     if not tokens:
         return []
-    tokens_t, probs_t = torch.stack(tokens, dim=1), torch.stack(rows, dim=1)  # [n, depth], [n, depth, V]
-    return [Proposal(tokens_t[b].tolist(), probs_t[b]) for b in range(tokens_t.shape[0])]
+    tokens_t, probs_t = torch.stack(tokens, dim=1).tolist(), torch.stack(rows, dim=1)  # [n, depth], [n, depth, V or w]
+    if ids is None:
+        return [Proposal(t, p) for t, p in zip(tokens_t, probs_t)]
+    ids_t = torch.stack(ids, dim=1)
+    return [Proposal(t, support=(i, p), vocab_size=vocab_size) for t, i, p in zip(tokens_t, ids_t, probs_t)]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:

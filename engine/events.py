@@ -188,6 +188,7 @@ class SSDRoundEvent:
     first_kept: tuple[bool | None, ...] = ()  # feature draft, per sequence: cached first token kept by the redraft
     next_fill: tuple[int, int, bool] = (0, 0, False)  # the fill made during this round: branches, depth, cut
     fill_window_seconds: float | None = None  # the worker's estimate of the time a fill has (reply to request)
+    fill_note: str = ""  # why the worker made no fill this round (empty when it filled)
     projected_tokens_per_s: float | None = None  # running projection, dedicated draft device (not a measurement)
     model_tokens_per_s: float | None = None  # the same model at the target's measured speed (checks it)
 

@@ -146,7 +146,7 @@ class FeatureDrafter(Drafter):
         visible = torch.arange(base)[None, :] < (positions - 1)[:, None]  # entries of positions < p
         own = torch.zeros(n, 0, dtype=torch.bool)
         eye = torch.eye(n, dtype=torch.bool)
-        tokens, rows = [], []
+        tokens, ids, rows = [], [], []
         for i in range(k):
             if stop is not None and stop():
                 break
@@ -154,13 +154,17 @@ class FeatureDrafter(Drafter):
             x = self._input(feed, feature)
             feature = self.lm.forward_tree_embeds(x, (positions - 1 + i).tolist(), base + i * n,
                                                   torch.cat([visible, own], dim=1))
-            probs = logits_to_probs(self._logits(feature), params)
-            if shape is not None:
-                probs = shape(probs, i)
-            feed = sample_from(probs, uniforms[:, i])
+            if shape is None:  # as `propose` draws: sparse rows where the support is small
+                drawn, support, probs = self._draw(feature, params, uniforms[:, i].tolist())
+                feed = torch.tensor(drawn)
+                ids.append(support)
+            else:
+                probs = shape(logits_to_probs(self._logits(feature), params), i)
+                feed = sample_from(probs, uniforms[:, i])
             tokens.append(feed)
             rows.append(probs)
-        return branch_proposals(tokens, rows)
+        sparse = bool(ids) and ids[0] is not None
+        return branch_proposals(tokens, rows, ids if sparse else None, self.vocab_size)
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Bring the draft KV to entries for positions 1..len(context)-1; return f̂ of the last one [1, hidden]."""

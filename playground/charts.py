@@ -265,7 +265,8 @@ def ssd_cache_hits(state: RunState) -> go.Figure:
     per = ""
     if m.get("tokens_per_round_hit") is not None or m.get("tokens_per_round_miss") is not None:
         per = f"; tokens/round hit {m.get('tokens_per_round_hit') or 0:.2f}, miss {m.get('tokens_per_round_miss') or 0:.2f}"
-    notes = [f"{w.kind}: {w.message}" for w in state.worker_events if w.kind != "started"]
+    notes = [f"{w.kind}: {w.message}" for w in state.worker_events if w.kind != "started"] or \
+        [r.fill_note for r in rounds[-1:] if r.fill_note]
     title = f"SSD cache: hit rate {hit} (green hit, red miss → backup, grey synchronous){per}"
     annotations = [{"text": notes[-1][:120], "showarrow": False, "x": 0, "y": 1.0, "xref": "paper", "yref": "paper",
                     "xanchor": "left", "font": {"size": 10, "color": CHANGE_COLOUR}}] if notes else []

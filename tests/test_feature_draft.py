@@ -142,15 +142,17 @@ def test_drafter_without_target_features_says_so(feature_pair):
         drafter.propose([1, 2, 3], 2, SamplingParams(), torch.rand(2))
 
 
-def test_branch_tree_matches_one_branch_at_a_time(feature_pair):
-    """SSD's cache fill: the batched tree pass drafts exactly what per-branch drafting does."""
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_branch_tree_matches_one_branch_at_a_time(feature_pair, top_k):
+    """SSD's cache fill: the batched tree pass drafts exactly what per-branch drafting does; under
+    a small top-k its rows stay sparse, as the synchronous draft's do."""
     from engine.drafters import Drafter
 
     tokens = feature_pair.encode_prompt("branches") + [11, 12, 13]
     drafter = feature_pair.make_drafter("model", "fast", "float32")
     drafter.start()
     drafter.observe_target(0, _features(feature_pair, "fast", tokens)[:-1])
-    params = SamplingParams(temperature=0.8)
+    params = SamplingParams(temperature=0.8, top_k=top_k)
     spec = drafter.propose(tokens, 3, params, torch.rand(3)).tokens
     forks = [(0, 7), (1, 9), (2, 11), (3, 13), (3, 14)]
     uniforms = torch.rand(len(forks), 3)
@@ -161,6 +163,7 @@ def test_branch_tree_matches_one_branch_at_a_time(feature_pair):
         for a, b in zip(tree, loop):
             assert a.tokens == b.tokens
             torch.testing.assert_close(a.probs, b.probs, rtol=1e-4, atol=1e-6)
+            assert (a.support is not None) == (top_k > 0 and s is None)
     rows = drafter.score(tokens, spec)
     first = drafter.propose(tokens, 1, SamplingParams(temperature=1.0), torch.rand(1)).probs[0]
     torch.testing.assert_close(torch.softmax(rows[0], -1), first, rtol=1e-4, atol=1e-6)

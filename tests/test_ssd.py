@@ -238,6 +238,18 @@ def test_fill_shortens_the_depth_then_skips_when_nothing_fits():
     assert MARGIN < 1
 
 
+def test_a_feature_draft_cache_is_never_shallower_than_two_tokens():
+    """A feature draft's hit redraws its first token (engine.ssd.worker): a one-token cache saves no
+    draft step, so the plan never stops at depth 1 for it, and at K = 1 it makes none, saying why."""
+    sizer = _sizer(0.008, 0.002, {1: 0.003, 2: 0.003})  # 2 + 3d <= 7.2 -> d = 1 only
+    assert sizer.plan([2, 2, 2]).depth == 1
+    plan = sizer.plan([2, 2, 2], min_depth=2)
+    assert (plan.depth, plan.budget) == (0, 0) and "cache of 2 tokens per branch does not fit" in plan.note
+    at_k1 = FillSizer().plan([3, 3], min_depth=2)
+    assert at_k1.depth == 0 and at_k1.note.startswith("no fill at K = 1")
+    assert _sizer(0.020, 0.002, {1: 0.003, 2: 0.003}).plan([2, 2, 2], min_depth=2).depth == 2
+
+
 def test_coupled_first_token_is_a_draw_from_the_fresh_distribution_and_keeps_the_cached_one_when_it_can():
     """The redraw that makes a feature draft's cache hit as good as a synchronous draft: whatever
     the stale D~ the cached token came from, the served token follows the fresh D exactly, and it
@@ -256,6 +268,25 @@ def test_coupled_first_token_is_a_draw_from_the_fresh_distribution_and_keeps_the
     tv = 0.5 * float((fresh - cached).abs().sum())
     assert abs(kept / n - (1 - tv)) < 0.02
     assert couple_first_token(fresh, fresh, 2, torch.tensor([0.99, 0.5])) == (2, True)
+
+
+def test_the_coupling_draws_the_same_token_from_sparse_rows_as_from_dense_ones():
+    """A hit's redraw reads the draft's rows in their sparse form (top-k ids and probabilities, as the
+    synchronous draft gives them): the same uniforms give the same token and decision as the dense
+    rows, so the sparse path changes the serve's cost only."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 60
+    for _ in range(300):
+        rows = []
+        for _ in range(2):
+            ids = torch.randperm(vocab, generator=gen)[:8]
+            probs = torch.rand(8, generator=gen) * (torch.rand(8, generator=gen) > 0.2)
+            probs = probs / probs.sum().clamp(min=1e-9)
+            rows.append((ids, probs, torch.zeros(vocab).index_copy_(0, ids, probs)))
+        (f_ids, f_probs, fresh), (c_ids, c_probs, cached) = rows
+        token = int(c_ids[int(torch.randint(8, (1,), generator=gen))])
+        u = torch.rand(2, generator=gen)
+        assert couple_first_token((f_ids, f_probs), (c_ids, c_probs), token, u) == couple_first_token(fresh, cached, token, u)
 
 
 def test_a_just_in_time_feature_branch_drafts_what_a_synchronous_draft_does(feature_pair):

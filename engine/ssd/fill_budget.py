@@ -13,7 +13,10 @@ worker measures between its reply and the next request (the verification plus th
 work), split over the batch's sequences. The plan keeps the full depth K and takes the largest
 budget B <= the requested one with g + K·step(B) <= margin·W (the fan-out is the requested plan
 scaled to B, so a geometric plan stays geometric); if no budget fits at depth K it shortens the
-depth; if nothing fits, there is no fill and the next round takes the backup. While filling, the
+depth; if nothing fits, there is no fill and the next round takes the backup. A feature draft's
+cache is never shallower than 2: its hit redraws the first token from the real features (worker.py),
+so a depth-1 cache saves no draft step, and at K = 1 it does not fill at all (measured: the fill
+slowed the verification it shares the machine with by 5-9 % for nothing). While filling, the
 worker also stops before any step that would end after the predicted request (or once the request
 is already waiting), so the cache holds the branches as far as they got: a round never waits for
 the cache beyond the verification, only for the backup after a miss.
@@ -41,6 +44,7 @@ STEP_HISTORY = 8  # tree steps per branch count the step-cost fit looks back ove
 class FillPlan:
     fanouts: tuple[int, ...]  # F_0..F_K actually used (sum = budget used)
     depth: int  # tokens drafted per branch (0: no fill this round)
+    note: str = ""  # why there is no fill, for the page
 
     @property
     def budget(self) -> int:
@@ -94,17 +98,25 @@ class FillSizer:
             return None
         return self.glue + depth * step
 
-    def plan(self, fanouts: Sequence[int], sequences: int = 1) -> FillPlan:
-        """The requested F_0..F_K, cut to what fits one sequence's share of the window."""
+    def plan(self, fanouts: Sequence[int], sequences: int = 1, min_depth: int = 1) -> FillPlan:
+        """The requested F_0..F_K, cut to what fits one sequence's share of the window, at a depth of
+        at least `min_depth` (a feature draft's hit redrafts its first token: a shallower cache saves
+        no draft step, and the fill would only slow the verification it shares the machine with)."""
         k, requested = len(fanouts) - 1, sum(fanouts)
-        if self.window is None or requested == 0:  # nothing measured yet: the first fill measures
-            return FillPlan(tuple(fanouts), k if requested else 0)
+        if k < min_depth:
+            return FillPlan(tuple(0 for _ in fanouts), 0, f"no fill at K = {k}: a feature draft's hit redraws its first token "
+                            "from the real features, so a cache saves no draft step")
+        if requested == 0:
+            return FillPlan(tuple(fanouts), 0, "no cache fill: the fan-out budget is 0")
+        if self.window is None:  # nothing measured yet: the first fill measures
+            return FillPlan(tuple(fanouts), k)
         share = MARGIN * self.window / max(sequences, 1)
-        for depth in range(k, 0, -1):
+        for depth in range(k, min_depth - 1, -1):
             for budget in range(requested, 0, -1):
                 cost = self.fill_seconds(budget, depth)
                 if cost is None:
                     return FillPlan(tuple(fanouts), k)
                 if cost <= share:
                     return FillPlan(tuple(round_to_budget(list(fanouts), budget)), depth)
-        return FillPlan(tuple(0 for _ in fanouts), 0)
+        return FillPlan(tuple(0 for _ in fanouts), 0, f"no fill: a cache of {min_depth} token{'s' * (min_depth > 1)} "
+                        "per branch does not fit in the verification's time")

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.drafters import Proposal
-from engine.sampling import sample_from
 
 Key = tuple[int, int]  # (num_accepted k, next token y)
+Support = tuple[torch.Tensor, torch.Tensor]  # one sparse row: (ids [w], probs [w])
 
 
 def fork_keys(logits: torch.Tensor, speculation: Sequence[int], fanouts: Sequence[int]) -> list[Key]:
@@ -64,17 +64,33 @@ class SpeculationCache:
         return min((len(p.tokens) for p in self.entries.values()), default=0)
 
 
-def couple_first_token(fresh: torch.Tensor, cached: torch.Tensor, token: int, uniforms: torch.Tensor) -> tuple[int, bool]:
+def couple_first_token(fresh: torch.Tensor | Support, cached: torch.Tensor | Support, token: int,
+                       uniforms: torch.Tensor) -> tuple[int, bool]:
     """A draw from `fresh` (D) that keeps the cached `token`, drawn from `cached` (D~), when it can.
 
     The speculative-sampling coupling between two drafts: keep x~ with probability
     min(1, D(x~)/D~(x~)), else draw from norm(max(D − D~, 0)). The result is distributed exactly
-    as D and equals x~ with probability 1 − TV(D, D~), the most any coupling allows. Returns
-    (token, kept); `uniforms` holds the two uniforms [2] it uses.
+    as D and equals x~ with probability 1 − TV(D, D~), the most any coupling allows. Rows are
+    dense [V] or sparse (ids [w], probs [w]); the residual is drawn over its tokens in vocabulary
+    order, so either form gives the same token. Returns (token, kept); `uniforms` holds the two
+    uniforms [2] it uses.
     """
-    if float(uniforms[0]) * float(cached[token]) < float(fresh[token]):
+    d, d_tilde = _as_dict(fresh), _as_dict(cached)
+    if float(uniforms[0]) * d_tilde.get(token, 0.0) < d.get(token, 0.0):
         return token, True
-    residual = (fresh - cached).clamp(min=0)
-    if float(residual.sum()) <= 0:  # D = D~ up to rounding: x~ is already a draw from D
+    residual = sorted((i, p - d_tilde.get(i, 0.0)) for i, p in d.items() if p > d_tilde.get(i, 0.0))
+    total = sum(p for _, p in residual)
+    if total <= 0:  # D = D~ up to rounding: x~ is already a draw from D
         return token, True
-    return int(sample_from(residual, uniforms[1])), False
+    target, cdf = min(float(uniforms[1]), 1.0 - 1e-12) * total, 0.0
+    for i, p in residual:  # inverse CDF, as sample_from: the first token whose CDF passes the target
+        cdf += p
+        if cdf > target:
+            return i, False
+    return residual[-1][0], False
+
+
+def _as_dict(row: torch.Tensor | Support) -> dict[int, float]:
+    """token -> probability over a row's nonzero entries (a few dozen under top-k)."""
+    ids, probs = row if isinstance(row, tuple) else (row.nonzero().flatten(), row[row > 0])
+    return {i: p for i, p in zip(ids.tolist(), probs.tolist()) if p > 0}

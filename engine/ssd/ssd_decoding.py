@@ -306,13 +306,13 @@ class SSDEngine:
                     yield WorkerEvent("degraded", f"{err}; finishing with synchronous drafting in the target process",
                                       self.devices())
                     self._degrade(rows)
-            fill_seconds, budget_used, fill_depth, fill_cut, window = 0.0, 0, 0, False, None
+            fill_seconds, budget_used, fill_depth, fill_cut, window, fill_note = 0.0, 0, 0, False, None, ""
             for b in builds:
                 spans.append(TimelineSpan("draft", f"cache fill ({b.branches} branches, depth {b.depth})",
                                           b.interval[0] - start, b.interval[1] - start))
                 ssd.add_fill(b.interval[1] - b.interval[0])
                 fill_seconds += b.interval[1] - b.interval[0]
-                budget_used, fill_depth, fill_cut, window = b.branches, b.depth, b.cut, b.window
+                budget_used, fill_depth, fill_cut, window, fill_note = b.branches, b.depth, b.cut, b.window, b.note
 
             verified: list[tuple[int, _Row, _Verified, str, Key | None, SeqReply | None]] = []
             verify_seconds = verify_full = 0.0
@@ -385,7 +385,7 @@ class SSDEngine:
                                      "next_fanouts": next_sent[1] if next_sent else (), "backup": backup},
                 backup=backup, cache_key_texts=tuple(key_texts), budget_requested=cfg.ssd_cache_budget,
                 budget_used=sum(searched), cache_depth=depth, first_kept=tuple(kept),
-                next_fill=(budget_used, fill_depth, fill_cut), fill_window_seconds=window,
+                next_fill=(budget_used, fill_depth, fill_cut), fill_window_seconds=window, fill_note=fill_note,
                 projected_tokens_per_s=trace.tokens_per_s(True), model_tokens_per_s=trace.tokens_per_s(False),
             )
             previous, sent = cfg, next_sent

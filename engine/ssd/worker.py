@@ -147,6 +147,7 @@ class BuildReport:
     depth: int = 0  # tokens per branch reached (the smallest over the batch)
     cut: bool = False  # the fill stopped early: the next request was due
     window: float | None = None  # the worker's running estimate of the time it has per round
+    note: str = ""  # why there was no fill (FillPlan.note)
 
 
 @dataclass
@@ -217,14 +218,17 @@ def _serve(spec: DrafterSpec, device: DeviceSpec, first: Drafter, conn: Connecti
         replied = start = time.perf_counter()
         active = [seq for seq, item in zip(seqs, msg.items) if item is not None]
         if msg.fill_to_verify:
-            plan, deadline = sizer.plan(msg.fanouts, len(active)), replied + MARGIN * (sizer.window or float("inf"))
+            min_depth = 2 if first.needs_target_features else 1  # fill_budget: a feature hit redrafts token 1
+            plan = sizer.plan(msg.fanouts, len(active), min_depth)
+            deadline = replied + MARGIN * (sizer.window or float("inf"))
             stop = _stop(conn, sizer, deadline)
         else:
             plan, stop = FillPlan(tuple(msg.fanouts), msg.k), _never
         built = [_fill(seq, msg, plan, sizer, stop) for seq in active]
         depth = min((d for _, d, _ in built), default=0)
         conn.send(BuildReport(generation, (start, time.perf_counter()), sum(b for b, _, _ in built),
-                              sum(msg.fanouts) * len(active), depth, any(c for _, _, c in built), sizer.window))
+                              sum(msg.fanouts) * len(active), depth, any(c for _, _, c in built), sizer.window,
+                              plan.note))
 
 
 class _StepClock:
@@ -279,12 +283,23 @@ def _serve_one(seq: _Sequence, item: SeqRequest, msg: RoundRequest, sizer: FillS
 
 
 def _redraft_first(seq: _Sequence, hit: Proposal, msg: RoundRequest, sizer: FillSizer) -> tuple[Proposal, bool]:
-    """Redraw a feature draft's cached first token from the real features (module docstring)."""
-    fresh = _just_in_time(seq, msg, 1, sizer).probs[0]
-    token, kept = couple_first_token(fresh, hit.probs[0], hit.tokens[0], torch.rand(2, generator=seq.generator))
-    if kept:
-        return Proposal(hit.tokens, torch.cat([fresh[None], hit.probs[1:]])), True
-    return Proposal([token], fresh[None]), False
+    """Redraw a feature draft's cached first token from the real features (module docstring).
+    Sparse rows (the synchronous draft's form under top-k) stay sparse: a dense [V] row per step
+    was a fifth of a hit's serve time."""
+    fresh = _just_in_time(seq, msg, 1, sizer)
+    token, kept = couple_first_token(_first_row(fresh), _first_row(hit), hit.tokens[0],
+                                     torch.rand(2, generator=seq.generator))
+    tokens = hit.tokens if kept else [token]
+    if fresh.support is not None and hit.support is not None and fresh.support[0].shape == hit.support[0][:1].shape:
+        (f_ids, f_probs), (h_ids, h_probs) = fresh.support, hit.support
+        n = len(tokens)
+        return Proposal(tokens, support=(torch.cat([f_ids, h_ids[1:n]]), torch.cat([f_probs, h_probs[1:n]])),
+                        vocab_size=hit.vocab_size), kept
+    return Proposal(tokens, torch.cat([fresh.probs[:1], hit.probs[1:len(tokens)]])), kept
+
+
+def _first_row(p: Proposal) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return (p.support[0][0], p.support[1][0]) if p.support is not None else p.probs[0]
 
 
 def _just_in_time(seq: _Sequence, msg: RoundRequest, k: int, sizer: FillSizer) -> Proposal:
@@ -323,7 +338,9 @@ def _fill(seq: _Sequence, msg: RoundRequest, plan: FillPlan, sizer: FillSizer,
           stop: Callable[[int], bool]) -> tuple[int, int, bool]:
     """Glue decode, fork, tree decode (§4.6), sized by `plan` and ended by `stop`: (branches, depth, cut)."""
     seq.cache = None
-    if plan.depth == 0 or stop(1):
+    if plan.depth == 0:
+        return 0, 0, False
+    if stop(1):
         return 0, 0, True
     start = time.perf_counter()
     logits = seq.drafter.score(seq.context, seq.speculation)
