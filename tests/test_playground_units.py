@@ -297,6 +297,19 @@ def test_ssd_status_says_a_hit_redrafts_its_first_token_and_how_often_the_cached
     assert "kept in 67% of 3" in status_line(run, None)
 
 
+
+def test_the_ssd_cache_chart_says_why_the_worker_made_no_fill():
+    from engine.events import SSDRoundEvent
+    from playground.charts import ssd_cache_hits
+
+    run = RunState(method="sps")
+    note = "no fill at K = 1: a feature draft's hit redraws its first token from the real features, so a cache saves no draft step"
+    for i in range(3):
+        reduce(run, SSDRoundEvent(i, (0,), (False,), ("neural",), (0, 1), ((),), (), (1,), (), 0.0, None, None,
+                                  fill_note=note if i else ""))
+    shown = [a["text"] for a in ssd_cache_hits(run).to_plotly_json()["layout"].get("annotations", [])]
+    assert note in shown
+
 def test_the_live_feed_carries_every_token_once_in_order_and_ends_with_the_run(tiny_pair):
     """What the page's live view is sent: the run's cells exactly (no gap, no repeat), a live line,
     done last; the feed's messages fold the run like Gradio frames did."""
