@@ -19,12 +19,19 @@ BLOCK = 4096  # uniforms per generator call: about a thousand rounds at K = 1
 class UniformStream:
     """The uniforms of torch.Generator().manual_seed(seed), handed out in order as tensor views."""
 
-    __slots__ = ("_generator", "_block", "_at")
+    __slots__ = ("_generator", "_block", "_at", "position")
 
     def __init__(self, seed: int) -> None:
         self._generator = torch.Generator().manual_seed(int(seed))
         self._block = torch.empty(0)
         self._at = 0
+        self.position = 0  # uniforms handed out so far
+
+    def skip_to(self, position: int) -> None:
+        """Pass over the uniforms before `position` (another process drew them from its copy of the stream)."""
+        if position < self.position:
+            raise ValueError(f"the stream is already at {self.position}, past {position}")
+        self.take_span(position - self.position)
 
     def take(self, n: int) -> torch.Tensor:
         """The next n uniforms in [0, 1) as a float32 view [n] (read-only by convention)."""
@@ -39,4 +46,5 @@ class UniformStream:
             self._block = torch.cat([self._block[self._at:], fresh])
             self._at = 0
         self._at += n
+        self.position += n
         return self._block, self._at - n

@@ -366,6 +366,25 @@ def test_a_feature_draft_worker_makes_no_fill_at_k_1_and_says_why(default_pair):
 
 
 @pytest.mark.slow
+def test_ssd_at_k_1_writes_the_text_sps_writes_at_the_same_seed(default_pair):
+    """No fill at K = 1 (a feature draft), so every round's draft is just in time: from the same
+    features and the same uniforms of the sequence's stream as SpS's draft, verified with the
+    uniforms after them. Sampled (T 0.6, top-k 20), SSD then writes SpS's tokens exactly, so its
+    acceptance is SpS's and any SSD/SpS gap at K = 1 is the pipe's cost, not a different text."""
+    from engine.decoding import generate
+
+    prompt = default_pair.encode_prompt("Describe a quiet morning in a small town.")
+    cfg = SpecConfig(method="sps", max_new_tokens=40, num_speculative_tokens=1, temperature=0.6, top_p=0.95,
+                     top_k=20, seed=3)
+    sps = [e for e in generate(default_pair.make_target(), default_pair.make_drafter("model"), default_pair.tokenizer,
+                               prompt, cfg, eos_token_ids=default_pair.eos_token_ids)][-1]
+    with SSDEngine(default_pair, target_device="cpu:0", draft_device="cpu:1") as eng:
+        ssd = finishes(list(eng.generate([prompt], cfg, eos_token_ids=default_pair.eos_token_ids)))[0]
+    assert ssd.token_ids == sps.token_ids
+    assert ssd.metrics["draft_acceptance_rate"] == sps.metrics["draft_acceptance_rate"]
+
+
+@pytest.mark.slow
 def test_every_served_first_token_is_drawn_from_the_synchronous_draft(default_pair):
     """Cache hit (first token redrafted from the real features) or backup alike, the first drafted
     token's D is the synchronous draft's for the same text, up to the features' float16 transport;

@@ -1,5 +1,6 @@
 """The block-drawn uniform stream hands out exactly the generator's own sequence."""
 
+import pytest
 import torch
 
 from engine.acceptance import RandomDraws
@@ -21,3 +22,15 @@ def test_a_rounds_draws_from_the_stream_equal_the_generator_draws():
         mine, theirs = RandomDraws.take(stream, k), RandomDraws.draw(1, k, generator)
         assert torch.equal(mine.u_accept, theirs.u_accept) and torch.equal(mine.u_sample, theirs.u_sample)
         assert mine.u_accept.shape == (1, k) and mine.u_sample.shape == (1,)
+
+
+def test_two_copies_of_a_stream_share_it_by_position():
+    """SSD's worker drafts with the draws at a position of the sequence's stream that the main
+    process passes over: skipping to a position gives the same numbers as taking up to it."""
+    main, worker = UniformStream(9), UniformStream(9)
+    main.take(5)
+    worker.skip_to(main.position)
+    assert main.position == worker.position == 5
+    assert torch.equal(worker.take(BLOCK + 3), main.take(BLOCK + 3))
+    with pytest.raises(ValueError, match="already at"):
+        worker.skip_to(2)

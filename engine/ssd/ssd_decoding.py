@@ -73,6 +73,7 @@ class _Row:
     served_length: int = 0  # length of the speculation the worker served last (before any cut)
     hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # all target features (for a degrade)
     unsent_hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    reserved: int = 0  # uniforms the worker draws for the speculation in flight (SeqRequest.reserved)
     local_drafter: Drafter | None = None
     finished: str | None = None
 
@@ -416,7 +417,7 @@ class SSDEngine:
         fanouts = tuple(planner.plan(cfg.ssd_fanout_mode, cfg.ssd_cache_budget, k, cfg.ssd_power_r))
         active = [r for r in rows if r.finished is None]
         backup = resolve_backup(cfg.ssd_backup, len(active), ssd.rates())
-        items = [self._request(r) if r.finished is None else None for r in rows]
+        items = [self._request(r, cfg) if r.finished is None else None for r in rows]
         try:
             self._send(RoundRequest(k, cfg.sampling, fanouts, float(cfg.downweight_c), backup, self.pair.vocab_size,
                                     items, time.perf_counter(), self.fill_to_verify))
@@ -452,13 +453,16 @@ class SSDEngine:
             self._calibration[n] = times["full"] / times["pinned"]
         target.reset()
 
-    def _request(self, row: _Row) -> SeqRequest:
+    def _request(self, row: _Row, cfg: SpecConfig) -> SeqRequest:
         hidden_start, hidden = 0, None
         if row.unsent_hidden:
             hidden_start = row.unsent_hidden[0][0]
-            hidden = torch.cat([h for _, h in row.unsent_hidden]).to(torch.float16).cpu().numpy()
+            hidden = torch.cat([h for _, h in row.unsent_hidden]).float().cpu().numpy()
             row.unsent_hidden = []
-        request = SeqRequest(row.commit, row.outcome, hidden_start, hidden)
+        # The draft's draws come next in the sequence's stream, as in SpS: the worker takes them from
+        # its copy, this process passes over them (_verify), and the rule reads the ones after.
+        row.reserved = max(min(cfg.num_speculative_tokens, cfg.max_new_tokens - len(row.generated) - 1), 0)
+        request = SeqRequest(row.commit, row.outcome, hidden_start, hidden, row.uniforms.position, row.reserved)
         row.commit = []
         return request
 
@@ -494,6 +498,8 @@ class SSDEngine:
             proposal = Proposal([], torch.empty(0, vocab))
             if k > 0:
                 proposal = row.local_drafter.propose(row.context, k, params, row.uniforms.take(k))
+        else:
+            row.uniforms.take(row.reserved)  # the worker drew its draft's uniforms from these
         proposal = proposal.prefix(max(k, 0))
         draft_seconds = wait_seconds + time.perf_counter() - draft_before
 

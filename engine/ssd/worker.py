@@ -44,6 +44,7 @@ from engine.ssd.devices import DeviceSpec, pin
 from engine.ssd.fill_budget import MARGIN, FillPlan, FillSizer
 from engine.ssd.saguaro import saguaro_shape
 from engine.ssd.speculation_cache import Key, SpeculationCache, couple_first_token, fork_keys
+from engine.uniform_stream import UniformStream
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,9 @@ class SeqRequest:
     commit: list[int]  # tokens committed since the previous request (the prompt on the first one)
     outcome: Key | None  # (k, y) of the last verification; None on the first round
     hidden_start: int = 0
-    hidden: np.ndarray | None = None  # float16 [n, H] target features of committed tokens
+    hidden: np.ndarray | None = None  # float32 [n, H] target features of committed tokens
+    uniform_at: int = 0  # where the draft's draws start in the sequence's stream (seed + i)
+    reserved: int = 0  # how many of them the main process leaves to the draft (the rest it cuts)
 
 
 @dataclass(frozen=True)
@@ -153,9 +156,11 @@ class BuildReport:
 @dataclass
 class _Sequence:
     drafter: Drafter
-    generator: torch.Generator
+    generator: torch.Generator  # the fill's, the coupling's and the fast backup's draws
+    uniforms: UniformStream  # the main process's stream for this sequence: the just-in-time draft's draws
     context: list[int] = field(default_factory=list)
     speculation: list[int] = field(default_factory=list)
+    reserved: int = 0
     cache: SpeculationCache | None = None
 
 
@@ -206,9 +211,11 @@ def _serve(spec: DrafterSpec, device: DeviceSpec, first: Drafter, conn: Connecti
             seqs, generation, replied = [], msg.generation, None
             for i, _ in enumerate(msg.prompts):
                 drafters[i].start()
-                # Not the main process's seed for the sequence (seed + i): with the same stream, round 0's
-                # draft uniform was the very uniform its acceptance test then drew.
-                seqs.append(_Sequence(drafters[i], torch.Generator().manual_seed(msg.seed + 7919 * (i + 1))))
+                # A just-in-time draft draws from the sequence's own stream where SpS's draft would
+                # (SeqRequest.uniform_at), so SSD without a hit writes SpS's text; what only SSD draws
+                # (fill, coupling) comes from a generator of its own.
+                seqs.append(_Sequence(drafters[i], torch.Generator().manual_seed(msg.seed + 7919 * (i + 1)),
+                                      UniformStream(msg.seed + i)))
             continue
         if replied is not None and msg.sent_at > replied:
             sizer.observe_window(msg.sent_at - replied)
@@ -266,6 +273,8 @@ def _serve_one(seq: _Sequence, item: SeqRequest, msg: RoundRequest, sizer: FillS
     if item.hidden is not None:
         seq.drafter.observe_target(item.hidden_start, torch.from_numpy(item.hidden).float())
     seq.context.extend(item.commit)
+    seq.uniforms.skip_to(item.uniform_at)
+    seq.reserved = item.reserved
     cache = seq.cache
     hit = cache.lookup(item.outcome, msg.k) if cache is not None and item.outcome is not None else None
     kept = None
@@ -307,7 +316,8 @@ def _just_in_time(seq: _Sequence, msg: RoundRequest, k: int, sizer: FillSizer) -
 
     Its steps are one-branch tree steps, so they also keep the sizer's step cost current when no
     fill fits (a fill that never runs would never be measured again)."""
-    uniforms = torch.rand(1, k, generator=seq.generator)
+    shared = seq.uniforms.take(min(k, seq.reserved))  # SpS's draft draws; beyond them, tokens the main cuts
+    uniforms = torch.cat([shared, torch.rand(k - len(shared), generator=seq.generator)])[None]
     shape = saguaro_shape(msg.fanouts, msg.downweight_c)
     if shape is None:  # the drafter's own synchronous path (a reduced head samples sparsely: cheaper)
         start = time.perf_counter()
