@@ -16,7 +16,7 @@ scaled to B, so a geometric plan stays geometric); if no budget fits at depth K 
 depth; if nothing fits, there is no fill and the next round takes the backup. A feature draft's
 cache is never shallower than 2: its hit redraws the first token from the real features (worker.py),
 so a depth-1 cache saves no draft step, and at K = 1 it does not fill at all (measured: the fill
-slowed the verification it shares the machine with by 5-9 % for nothing). While filling, the
+slowed the verification it shares the machine with by 8-9 % for nothing). While filling, the
 worker also stops before any step that would end after the predicted request (or once the request
 is already waiting), so the cache holds the branches as far as they got: a round never waits for
 the cache beyond the verification, only for the backup after a miss.
@@ -107,7 +107,7 @@ class FillSizer:
             return FillPlan(tuple(0 for _ in fanouts), 0, f"no fill at K = {k}: a feature draft's hit redraws its first token "
                             "from the real features, so a cache saves no draft step")
         if requested == 0:
-            return FillPlan(tuple(fanouts), 0, "no cache fill: the fan-out budget is 0")
+            return FillPlan(tuple(fanouts), 0, "no fill: the fan-out budget is 0")
         if self.window is None:  # nothing measured yet: the first fill measures
             return FillPlan(tuple(fanouts), k)
         share = MARGIN * self.window / max(sequences, 1)

@@ -308,6 +308,7 @@ def _redraft_first(seq: _Sequence, hit: Proposal, msg: RoundRequest, sizer: Fill
 
 
 def _first_row(p: Proposal) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Row 0 of a proposal in the form it holds: sparse (ids, probs), else dense."""
     return (p.support[0][0], p.support[1][0]) if p.support is not None else p.probs[0]
 
 
