@@ -299,7 +299,7 @@ def _redraft_first(seq: _Sequence, hit: Proposal, msg: RoundRequest, sizer: Fill
     token, kept = couple_first_token(_first_row(fresh), _first_row(hit), hit.tokens[0],
                                      torch.rand(2, generator=seq.generator))
     tokens = hit.tokens if kept else [token]
-    if fresh.support is not None and hit.support is not None and fresh.support[0].shape == hit.support[0][:1].shape:
+    if fresh.support is not None and hit.support is not None and fresh.support[0].shape[-1] == hit.support[0].shape[-1]:
         (f_ids, f_probs), (h_ids, h_probs) = fresh.support, hit.support
         n = len(tokens)
         return Proposal(tokens, support=(torch.cat([f_ids, h_ids[1:n]]), torch.cat([f_probs, h_probs[1:n]])),
@@ -318,7 +318,9 @@ def _just_in_time(seq: _Sequence, msg: RoundRequest, k: int, sizer: FillSizer) -
     Its steps are one-branch tree steps, so they also keep the sizer's step cost current when no
     fill fits (a fill that never runs would never be measured again)."""
     shared = seq.uniforms.take(min(k, seq.reserved))  # SpS's draft draws; beyond them, tokens the main cuts
-    uniforms = torch.cat([shared, torch.rand(k - len(shared), generator=seq.generator)])[None]
+    if len(shared) < k:
+        shared = torch.cat([shared, torch.rand(k - len(shared), generator=seq.generator)])
+    uniforms = shared[None]
     shape = saguaro_shape(msg.fanouts, msg.downweight_c)
     if shape is None:  # the drafter's own synchronous path (a reduced head samples sparsely: cheaper)
         start = time.perf_counter()
