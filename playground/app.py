@@ -25,7 +25,10 @@ CSS = """
 .token-view span { font-family: ui-monospace, monospace; }
 .legend-note { font-size: 0.85em; color: #555; }
 #tokens-live { contain: content; }  /* a feed message re-lays-out and repaints this box only */
-#tokens-live .live-tokens { line-height: 1.9; padding: 4px 0; }
+/* While a run streams its row has a fixed height and scrolls: a row that grew moved everything
+   below it, and Chromium repainted and re-rastered the whole 2,400 px page on every feed message
+   (half its busy time over the decode; playground.browser_bench --trace). */
+#tokens-live .live-tokens { line-height: 1.9; padding: 4px 0; height: 15.2em; overflow-y: auto; contain: strict; }
 #tokens-live .live-token { border-radius: 3px; padding: 1px 1px; white-space: pre-wrap; }
 #tokens-live .live-status { padding: 2px 0; }
 """

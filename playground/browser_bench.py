@@ -15,11 +15,15 @@ after the first token; the longest main-thread task Chromium reported; and the c
 busy during the run (its CPU seconds over the run's wall time: what it took from the engine).
 
 Run by hand on a quiet machine (not in CI): `flock -x /tmp/specplay-cpu.lock python -m playground.browser_bench`.
+`--trace DIR` adds one traced page run per method after the repeats: a Chromium trace per method
+in DIR and, per Chromium thread, its busy ms from the click to the first token and over the decode.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import os
 import re
 import socket
@@ -150,6 +154,46 @@ def page_run(page, method: str) -> dict:
             "browser_cores": browser_cores}
 
 
+TRACE_CATEGORIES = ["toplevel", "devtools.timeline", "blink.user_timing"]
+TRACE_MARK = "specplay-trace"
+
+
+def traced_run(browser, page, method: str, path: Path) -> dict[str, tuple[float, float]]:
+    """One more page run under a Chromium trace, written to `path` (open it in Perfetto or
+    chrome://tracing): per Chromium thread, its busy ms from the click to the first token and over
+    the decode (first to last token). This is how the growing token row was found to repaint and
+    re-raster the whole page on every feed message."""
+    browser.start_tracing(page=page, path=str(path), categories=TRACE_CATEGORIES)
+    page.evaluate(f"performance.mark('{TRACE_MARK}')")
+    page_run(page, method)
+    marks, t0 = page.evaluate("[window.__marks.filter(m => m[1] > 0).map(m => m[0]), window.__t0]")
+    browser.stop_tracing()
+    return thread_busy(json.loads(path.read_text()), t0, marks)
+
+
+def thread_busy(trace: dict | list, t0: float, marks: list[float]) -> dict[str, tuple[float, float]]:
+    """Busy ms per thread name in (click -> first token, first -> last token), from the trace's
+    top-level tasks; page times (performance.now()) are placed on the trace clock by TRACE_MARK."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    mark = next(e for e in events if e.get("name") == TRACE_MARK)
+
+    def to_trace(ms: float) -> float:  # page ms -> trace µs
+        return mark["ts"] + (ms - mark["args"]["data"]["startTime"]) * 1e3
+
+    windows = [(to_trace(t0), to_trace(marks[0])), (to_trace(marks[0]), to_trace(marks[-1]))]
+    busy: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat", "").startswith("toplevel") and "dur" in e:
+            for i, (a, b) in enumerate(windows):
+                overlap = min(b, e["ts"] + e["dur"]) - max(a, e["ts"])
+                if overlap > 0:
+                    busy[names.get((e["pid"], e["tid"]), str(e["tid"]))][i] += overlap / 1e3
+    return {name: (first, decode) for name, (first, decode) in
+            sorted(busy.items(), key=lambda item: -item[1][1])}
+
+
 def settle() -> None:
     """Wait until Chromium is back to its idle rate: after a run's final update the page still
     draws the seven final charts (about a second of main thread), which would otherwise land on
@@ -185,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default=",".join(UI_METHODS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="folder: after the repeats, one traced page run per method (trace-<method>.json)")
     args = ap.parse_args(argv)
     from gradio_client import Client
     from playwright.sync_api import sync_playwright
@@ -198,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     log.parent.mkdir(exist_ok=True)
     server = start_server(args.pair, port, log)
     rows: dict[str, list[tuple[float, dict]]] = {m: [] for m in methods}
+    traces: dict[str, dict[str, tuple[float, float]]] = {}
     api: dict[str, list[float]] = {m: [] for m in methods}
     try:
         with sync_playwright() as p:
@@ -217,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
                     api[method].append(api_run(client, method, k))
                     print(method, f"engine {rows[method][-1][0]:.1f} tok/s, API {api[method][-1]:.1f}, page",
                           rows[method][-1][1], flush=True)
+            if args.trace is not None:
+                args.trace.mkdir(parents=True, exist_ok=True)
+                for method in methods:
+                    traces[method] = traced_run(browser, page, method, args.trace / f"trace-{method}.json")
             browser.close()
     finally:
         server.terminate()
@@ -243,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{med('seen_tps'):10.1f} {med('first_token_s'):11.2f} {max(r['longest_gap_s'] for _, r in results):13.2f} "
               f"{max(r['long_task_ms'] for _, r in results):12.0f} {med('browser_cores'):13.2f}  "
               + " / ".join(f"{x:.2f}" for x in ratios))
+    for method, busy in traces.items():
+        print(f"{method}: Chromium threads' busy ms, click to first token / decode (traced run, {args.trace})")
+        for name, (first, decode) in list(busy.items())[:6]:
+            print(f"  {name:28} {first:7.1f} {decode:7.1f}")
     return 0
 
 

@@ -180,8 +180,10 @@ PAGE_JS = """
     source.onmessage = (event) => {
       const m = JSON.parse(event.data);
       if (m.cells.length) {
+        const following = tokens.scrollTop + tokens.clientHeight >= tokens.scrollHeight - 4;
         tokens.insertAdjacentHTML('beforeend', m.cells.map(([text, s]) =>
           `<span class="token live-token" data-status="${s}" style="background:${colours[s]}33">${escape(text)}</span>`).join(''));
+        if (following) tokens.scrollTop = tokens.scrollHeight;  // keep the newest tokens in view
       }
       if (m.status !== undefined) status.innerHTML = m.status;
       for (const [id, figure] of Object.entries(m.charts || {})) {  // onto the chart Gradio drew

@@ -76,6 +76,20 @@ def test_generate_live_tune_inspect_and_compare(page):
     expect(page.locator("#live-msg")).to_contain_text("delta = 0.3")
     page.click("#step-btn")
     expect(page.locator("#live-msg")).to_contain_text("paused after round 1", timeout=60_000)
+    # The streaming row keeps its height however many tokens arrive (a row that grew moved the page
+    # below it, and Chromium repainted the whole page on every feed message): overfill it, measure.
+    before, after, scrolls = page.evaluate("""() => {
+        const row = document.querySelector('#tokens-live .live-tokens');
+        const size = () => [row.getBoundingClientRect().height, document.documentElement.scrollHeight];
+        const first = size();
+        const extra = document.createElement('span');
+        extra.innerHTML = '<span class="live-token">lighthouse </span>'.repeat(400);
+        row.append(extra);
+        const second = size(), scrolls = row.scrollHeight > row.clientHeight;
+        extra.remove();
+        return [first, second, scrolls];
+    }""")
+    assert before == after and scrolls, (before, after)
     page.click("#resume-btn")
     expect(page.locator("#status")).to_contain_text("finished", timeout=120_000)
     expect(page.locator("#tokens")).to_be_visible()  # the final, clickable token view is back
