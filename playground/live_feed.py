@@ -36,9 +36,17 @@ from playground.engine_loop import RunHandle
 from playground.state import EMPTY_TOKEN_TEXT, STATUS_COLOURS, RunState
 
 ROUTE = "/specplay/live/{feed_id}"
-FEED_SECONDS = 0.1  # how often a feed sends what the run added (a message costs Chromium one paint of the row)
-STATUS_EVERY = 3  # feed messages per status-line refresh
-CHART_EVERY = 10  # feed messages per live-chart redraw (one chart a second, in turn: each every 2 s)
+# How often a feed sends what the run added. Each message wakes Chromium's threads for a frame, and
+# with the browser on the engine's cores a wake-up stalls both engine threads, whose GEMMs split
+# evenly. Page / engine for SpS / Cactus / AR, medians of per-repeat ratios (playground.browser_bench,
+# interleaved, AMD EPYC Zen 4): 10 messages a second 0.84 / 0.76 / 0.72, 5 a second 0.86 / 0.83 /
+# 0.81 (9 repeats each); with the fixed-height row (app.py) 0.64 / 0.67 / 0.72 against 0.84 / 0.81 /
+# 0.75 (6 and 12 repeats); 6.7 a second was not told apart from 5. The longest gap between updates
+# stays under 0.3 s in most runs at 5 a second; the VM's stalls make some longer at any rate.
+FEED_SECONDS = 0.2
+FIRST_FEED_SECONDS = 0.02  # until the first token is sent, the feed looks this often (time to first token)
+STATUS_EVERY = 2  # feed messages per status-line refresh
+CHART_EVERY = 5  # feed messages per live-chart redraw (one chart a second, in turn: each every 2 s)
 ATTACH_SECONDS = 2.0  # a page that asked for a feed but has not opened it by then gets Gradio frames
 FEED_TTL_SECONDS = 600.0  # an unopened feed is forgotten after this
 
@@ -103,15 +111,18 @@ def _fold(feed: Feed, chart_turn: int | None) -> tuple[RunState, dict]:
 
 
 async def messages(feed: Feed, frame_seconds: float = FEED_SECONDS) -> AsyncIterator[dict]:
-    """What the page is sent: the cells ([text, status]) the run added since the last message and,
-    where it changed (looked at every `STATUS_EVERY` messages, and at every one while paused), the
-    live line; every `CHART_EVERY` messages, while the run streams and has done a round since, the
-    next live chart; the last has done=True (the final Gradio update draws every chart). Nothing new,
-    nothing sent. The run's events are folded, and charts built, on a worker thread (the
-    divergences of a round are computed there), never on the server's event loop."""
+    """What the page is sent, every `frame_seconds` (every `FIRST_FEED_SECONDS` until the first token):
+    the cells ([text, status]) the run added since the last message and, where it changed (looked at
+    every `STATUS_EVERY` messages, and at every one while paused), the live line; every `CHART_EVERY`
+    messages, while the run streams and has done a round since, the next live chart; the last has
+    done=True (the final Gradio update draws every chart). Nothing new, nothing sent. The run's
+    events are folded, and charts built, on a worker thread (the divergences of a round are computed
+    there), never on the server's event loop; that time is inside the frame, so messages keep the
+    cadence whatever a fold costs."""
     feed.opened.set()
     sent, count, shown, turn, charted = 0, 0, None, 0, None
     while True:
+        looked_at = time.monotonic()  # the cadence counts from here: folding and sending are inside the frame
         done = feed.handle.done.is_set()
         chart_now = (not done and not feed.handle.parked and count % CHART_EVERY == CHART_EVERY - 1
                      and feed.handle.rounds_done != charted)
@@ -122,7 +133,7 @@ async def messages(feed: Feed, frame_seconds: float = FEED_SECONDS) -> AsyncIter
         message: dict = {"cells": cells}
         if done or count % STATUS_EVERY == 1 or run.paused:
             status = status_html(feed.status(run))
-            if status != shown:
+            if status != shown or done:  # the last message always carries the final line
                 message["status"] = shown = status
         if charts:
             message["charts"], charted, turn = charts, feed.handle.rounds_done, turn + 1
@@ -132,7 +143,8 @@ async def messages(feed: Feed, frame_seconds: float = FEED_SECONDS) -> AsyncIter
             yield message
         if done:
             return
-        await asyncio.sleep(frame_seconds)
+        frame = frame_seconds if sent else min(frame_seconds, FIRST_FEED_SECONDS)
+        await asyncio.sleep(max(0.0, looked_at + frame - time.monotonic()))
 
 
 def add_route(app, feeds: LiveFeeds) -> None:

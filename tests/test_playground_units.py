@@ -334,6 +334,39 @@ def test_the_live_feed_carries_every_token_once_in_order_and_ends_with_the_run(t
     assert "finished" in sent[-1]["status"] and "<b>" in sent[-1]["status"]  # Markdown bold as HTML
 
 
+def test_the_live_feed_looks_often_until_the_first_token_then_at_its_cadence(tiny_pair, monkeypatch):
+    """Time to first token: until the run has a token to send, the feed looks every
+    FIRST_FEED_SECONDS; after the first message, every frame (each message costs the browser a
+    frame). The feed's waits are recorded, not timed (a 10 s frame: no look takes that long)."""
+    import asyncio
+
+    from playground import live_feed
+    from playground.engine_loop import RunHandle
+
+    cfg = SpecConfig(method="sps", temperature=0.8, top_k=20, max_new_tokens=12, seed=1)
+    events = list(generate(tiny_pair.make_target(), tiny_pair.make_drafter(), tiny_pair.tokenizer,
+                           tiny_pair.encode_prompt("hi"), cfg, eos_token_ids=frozenset()))
+    handle = RunHandle(lambda: iter(()), RunState(method="sps"), time.monotonic() + 600)
+    feed = live_feed.LiveFeeds().open(handle, lambda r: f"{len(r.tokens)} tokens", lambda: None)
+    waits = []
+
+    async def recorded(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 3:  # the run's tokens arrive after three looks
+            handle.events[:] = events
+        if len(waits) == 5:
+            handle.done.set()
+
+    async def collect() -> list[dict]:
+        return [m async for m in live_feed.messages(feed, frame_seconds=10.0)]
+
+    monkeypatch.setattr(asyncio, "sleep", recorded)
+    sent = asyncio.run(collect())
+    first = live_feed.FIRST_FEED_SECONDS  # each wait is what is left of its frame after the look
+    assert len(waits) == 5 and all(0 <= w <= first for w in waits[:3]) and all(first < w <= 10.0 for w in waits[3:])
+    assert sum(len(m["cells"]) for m in sent) == 12 and sent[-1]["done"]
+
+
 def test_the_live_feed_draws_the_live_charts_in_turn_while_the_run_streams(tiny_pair):
     """Every CHART_EVERY messages the feed carries the next live chart (Plotly JSON for the page's
     `Plotly.react`), built from the run as folded so far; none while the run is parked, none with
@@ -431,4 +464,3 @@ def test_the_browser_bench_counts_each_chromium_thread_busy_inside_each_window()
     assert busy["CrRendererMain"] == pytest.approx((50 + 10, 10))
     assert busy["ThreadPoolForegroundWorker"] == pytest.approx((0, 30 + 10))
     assert list(busy) == ["ThreadPoolForegroundWorker", "CrRendererMain"]  # busiest in the decode first
-
