@@ -295,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{max(r['long_task_ms'] for _, r in results):12.0f} {med('browser_cores'):13.2f}  "
               + " / ".join(f"{x:.2f}" for x in ratios))
     for method, busy in traces.items():
-        print(f"{method}: Chromium threads' busy ms, click to first token / decode (traced run, {args.trace})")
+        alone = not any(decode for _, decode in busy.values())  # every token in one update
+        print(f"{method}: Chromium threads' busy ms, click to first token / decode (traced run, {args.trace})"
+              + (": every token arrived in one update, no decode window" if alone else ""))
         for name, (first, decode) in list(busy.items())[:6]:
             print(f"  {name:28} {first:7.1f} {decode:7.1f}")
     return 0

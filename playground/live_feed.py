@@ -40,8 +40,8 @@ ROUTE = "/specplay/live/{feed_id}"
 # with the browser on the engine's cores a wake-up stalls both engine threads, whose GEMMs split
 # evenly. Page / engine for SpS / Cactus / AR, medians of per-repeat ratios (playground.browser_bench,
 # interleaved, AMD EPYC Zen 4): 10 messages a second 0.84 / 0.76 / 0.72, 5 a second 0.86 / 0.83 /
-# 0.81 (9 repeats each); with the fixed-height row (app.py) 0.64 / 0.67 / 0.72 against 0.84 / 0.81 /
-# 0.75 (6 and 12 repeats); 6.7 a second was not told apart from 5. The longest gap between updates
+# 0.81 (9 repeats each); with the fixed-height row (app.py), 10 a second 0.64 / 0.67 / 0.72 and 5 a
+# second 0.84 / 0.81 / 0.75 (6 and 12 repeats); 6.7 a second was not told apart from 5. The longest gap between updates
 # stays under 0.3 s in most runs at 5 a second; the VM's stalls make some longer at any rate.
 FEED_SECONDS = 0.2
 FIRST_FEED_SECONDS = 0.02  # until the first token is sent, the feed looks this often (time to first token)
