@@ -60,7 +60,7 @@ def build_demo(ctx: PlaygroundContext) -> gr.Blocks:
             with gr.Tab("Sweep", id="sweep"):
                 tab_sweep.build(page)
             with gr.Tab("Learn", id="learn"):
-                tab_learn.build(page, demo, tabs, generate_controls)
+                tab_learn.build(page, tabs, generate_controls)
 
         def health() -> str:
             reference = ctx.startup_reference

@@ -25,22 +25,33 @@ GENERATE_FIELDS = ("prompt", "method", "k", "delta", "temperature", "top_p", "to
 SYNC_METHODS = tuple(m for m in UI_METHODS if m != "ssd")  # the Learn tab steps a synchronous round
 
 
-def build(page: Page, demo: gr.Blocks, tabs: gr.Tabs, generate: dict[str, gr.components.Component]) -> None:
+def build(page: Page, tabs: gr.Tabs, generate: dict[str, gr.components.Component]) -> None:
     """`tabs` and the Generate tab's controls (`tab_generate.build`'s return) serve "Open in Generate"."""
     ctx, limits = page.ctx, page.limits
     gr.Markdown("Step through speculative decoding one round at a time: "
                 + " → ".join(STAGES) + " (AR: the target samples one token). Pick a preset, press **Start**, "
                 "then **Next step**.")
+
+    def apply_preset(name):
+        p = PRESETS[name]
+        claim = getattr(p, "claim", "")
+        text = (f"**Claim:** {claim}\n\n" if claim else "") + f"**What to look for:** {p.look_for}"
+        return p.prompt, p.method, p.k, p.delta, p.temperature, text
+
+    # The first preset is the controls' initial value, not a page-load event: a load event that
+    # landed after the visitor had typed a prompt replaced it (seen in CI on a loaded machine).
+    first = next(iter(PRESETS))
+    prompt0, method0, k0, delta0, temp0, look_for0 = apply_preset(first)
     with gr.Row():
-        preset = gr.Dropdown(list(PRESETS), value=next(iter(PRESETS)), label="Preset", scale=2)
-        l_method = gr.Radio([(METHOD_LABELS[m], m) for m in SYNC_METHODS], value="tas", label="Method",
+        preset = gr.Dropdown(list(PRESETS), value=first, label="Preset", scale=2)
+        l_method = gr.Radio([(METHOD_LABELS[m], m) for m in SYNC_METHODS], value=method0, label="Method",
                             scale=2, elem_id="learn-method")
     with gr.Row():
-        l_prompt = gr.Textbox(label="Prompt", lines=2, scale=3, elem_id="learn-prompt")
-        l_k = gr.Slider(1, 8, value=4, step=1, label="K")
-        l_delta = gr.Slider(0, 5, value=0.5, step=0.05, label="δ")
-        l_temp = gr.Slider(0, limits.max_temperature, value=1.0, step=0.05, label="temperature")
-    l_look_for = gr.Markdown()
+        l_prompt = gr.Textbox(prompt0, label="Prompt", lines=2, scale=3, elem_id="learn-prompt")
+        l_k = gr.Slider(1, 8, value=k0, step=1, label="K")
+        l_delta = gr.Slider(0, 5, value=delta0, step=0.05, label="δ")
+        l_temp = gr.Slider(0, limits.max_temperature, value=temp0, step=0.05, label="temperature")
+    l_look_for = gr.Markdown(look_for0)
     with gr.Row():
         start_btn = gr.Button("Start", variant="primary", elem_id="learn-start")
         step_btn = gr.Button("Next step", elem_id="learn-step")
@@ -54,16 +65,8 @@ def build(page: Page, demo: gr.Blocks, tabs: gr.Tabs, generate: dict[str, gr.com
         with gr.Column(scale=2):
             l_plot = gr.Plot(show_label=False, elem_id="learn-plot")
 
-    def apply_preset(name):
-        p = PRESETS[name]
-        claim = getattr(p, "claim", "")
-        text = (f"**Claim:** {claim}\n\n" if claim else "") + f"**What to look for:** {p.look_for}"
-        return p.prompt, p.method, p.k, p.delta, p.temperature, text
-
     preset.change(apply_preset, [preset], [l_prompt, l_method, l_k, l_delta, l_temp, l_look_for],
                   api_visibility="private", concurrency_limit=None, show_progress="hidden")
-    demo.load(apply_preset, [preset], [l_prompt, l_method, l_k, l_delta, l_temp, l_look_for],
-              api_visibility="private", show_progress="hidden")
 
     def tutor_view(session: Session):
         run = session.tutor_state

@@ -464,3 +464,16 @@ def test_the_browser_bench_counts_each_chromium_thread_busy_inside_each_window()
     assert busy["CrRendererMain"] == pytest.approx((50 + 10, 10))
     assert busy["ThreadPoolForegroundWorker"] == pytest.approx((0, 30 + 10))
     assert list(busy) == ["ThreadPoolForegroundWorker", "CrRendererMain"]  # busiest in the decode first
+
+
+def test_the_learn_tab_starts_on_its_first_preset_with_no_page_load_event_to_overwrite_a_prompt(tiny_pair):
+    """The Learn controls hold the first preset from the start. A page-load event that set them
+    could land after the visitor had typed a prompt and replace it (it did, in CI on a loaded machine)."""
+    from playground.app import build_demo
+    from playground.presets import PRESETS
+
+    config = build_demo(PlaygroundContext("tiny", tiny_pair)).config
+    prompt = next(c for c in config["components"] if c.get("props", {}).get("elem_id") == "learn-prompt")
+    assert prompt["props"].get("value") == next(iter(PRESETS.values())).prompt
+    loads = [d for d in config["dependencies"] if any(t[1] == "load" for t in d["targets"])]
+    assert all(prompt["id"] not in d["outputs"] for d in loads)
