@@ -147,6 +147,13 @@ def summary(state: RunState) -> dict:
             last = state.ssd_rounds[-1]
             metrics.update(cache_hit_rate=last.hit_rate, theoretical_speedup=last.theoretical_speedup,
                            measured_speedup=last.measured_speedup)
+    if state.paused_seconds > 0:  # time parked by Pause / Step is not the engine's: out of the rates
+        running = metrics["elapsed_seconds"] - state.paused_seconds
+        decode = running - metrics.get("prefill_seconds", 0.0)
+        metrics.update(paused_seconds=state.paused_seconds,
+                       tokens_per_s=metrics["new_tokens"] / running if running > 0 else None)
+        if "decode_tokens_per_s" in metrics:
+            metrics["decode_tokens_per_s"] = metrics["new_tokens"] / decode if decode > 0 else None
     kept = [k for r in state.ssd_rounds for k in r.first_kept if k is not None]
     if kept:  # a feature draft's hits: the first token redrafted from the real target features
         metrics.update(first_tokens_redrafted=len(kept), first_token_kept_rate=sum(kept) / len(kept))

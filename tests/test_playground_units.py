@@ -93,6 +93,21 @@ def test_pause_step_and_stop_at_round_boundaries(tiny_pair):
     assert run.paused_seconds > 0 and not run.paused
 
 
+def test_time_parked_by_pause_is_left_out_of_the_rates_the_page_shows(tiny_pair):
+    """A run paused for half its decode time shows the rate it ran at, not half of it (× AR reads it)."""
+    state = _run(tiny_pair, method="sps")
+    before = summary(state)
+    decode = before["elapsed_seconds"] - before["prefill_seconds"]
+    state.paused_seconds = decode / 2
+    after = summary(state)
+    assert after["decode_tokens_per_s"] == pytest.approx(2 * before["decode_tokens_per_s"])
+    assert after["tokens_per_s"] == pytest.approx(before["new_tokens"] / (before["elapsed_seconds"] - decode / 2))
+    state.finish = None  # while it runs: the last round's clock, less the time parked before it
+    live = summary(state)
+    running = state.rounds[-1].elapsed_seconds - decode / 2
+    assert live["tokens_per_s"] == pytest.approx(len(state.tokens) / running)
+
+
 def test_engine_calls_run_on_the_engine_thread(tiny_pair):
     ctx = PlaygroundContext("tiny", tiny_pair)
     assert ctx.engine.call(threading.current_thread).name == "specplay-engine"
