@@ -75,6 +75,8 @@ def couple_first_token(fresh: torch.Tensor | Support, cached: torch.Tensor | Sup
     order, so either form gives the same token. Returns (token, kept); `uniforms` holds the two
     uniforms [2] it uses.
     """
+    if not (isinstance(fresh, tuple) and isinstance(cached, tuple)):
+        return _couple_dense(fresh, cached, token, uniforms)
     d, d_tilde = _as_dict(fresh), _as_dict(cached)
     if float(uniforms[0]) * d_tilde.get(token, 0.0) < d.get(token, 0.0):
         return token, True
@@ -90,7 +92,37 @@ def couple_first_token(fresh: torch.Tensor | Support, cached: torch.Tensor | Sup
     return residual[-1][0], False
 
 
-def _as_dict(row: torch.Tensor | Support) -> dict[int, float]:
-    """token -> probability over a row's nonzero entries (a few dozen under top-k)."""
-    ids, probs = row if isinstance(row, tuple) else (row.nonzero().flatten(), row[row > 0])
+def _as_dict(row: Support) -> dict[int, float]:
+    """token -> probability over a sparse row's nonzero entries (a few dozen under top-k)."""
+    ids, probs = row
     return {i: p for i, p in zip(ids.tolist(), probs.tolist()) if p > 0}
+
+
+def _couple_dense(fresh: torch.Tensor | Support, cached: torch.Tensor | Support, token: int,
+                  uniforms: torch.Tensor) -> tuple[int, bool]:
+    """`couple_first_token` where a row is dense: the same arithmetic vectorised (float64, the
+    residual's CDF summed left to right in vocabulary order), since a dense row without top-k
+    holds the whole reduced vocabulary (16k tokens: 6-16 ms a hit through Python dicts, 1 ms here;
+    the sparse path stays in Python, 0.04 ms against 0.35 ms vectorised for a 40-token row)."""
+    if float(uniforms[0]) * _prob(cached, token) < _prob(fresh, token):
+        return token, True
+    ids = (fresh[0] if isinstance(fresh, tuple) else fresh.nonzero().flatten()).unique()  # ascending
+    d, d_tilde = _prob_at(fresh, ids), _prob_at(cached, ids)
+    keep = d > d_tilde
+    ids, cdf = ids[keep], (d - d_tilde)[keep].cumsum(0)
+    if not len(ids):  # D = D~ up to rounding: x~ is already a draw from D
+        return token, True
+    target = min(float(uniforms[1]), 1.0 - 1e-12) * float(cdf[-1])
+    return int(ids[min(int(torch.searchsorted(cdf, target, right=True)), len(ids) - 1)]), False
+
+
+def _prob_at(row: torch.Tensor | Support, ids: torch.Tensor) -> torch.Tensor:
+    """The row's float64 probabilities at `ids` (0 where it has none)."""
+    if not isinstance(row, tuple):
+        return row[ids].double()
+    row_ids, probs = row
+    return ((ids[:, None] == row_ids[None, :]) * probs[None, :].double()).sum(1)
+
+
+def _prob(row: torch.Tensor | Support, token: int) -> float:
+    return float(_prob_at(row, torch.tensor([token]))[0])
