@@ -18,7 +18,7 @@ import torch
 
 from engine.drafters import Drafter, Proposal, ProposalShape, branch_proposals
 from engine.models.causal_lm import CausalLM
-from engine.models.fast_llama import PackedLinear
+from engine.models.fast_llama import PackedLinear, onto_huge_pages
 from engine.models.feature_draft import FeatureDraft
 from engine.sampling import SamplingParams, dense_probs, logits_to_probs, sample_from, sample_sparse, sparse_probs
 
@@ -37,6 +37,7 @@ def _packed(draft: FeatureDraft, dtype: str, head_dtype: str, full_head: bool,
         with torch.no_grad():
             per_draft[key] = (PackedLinear(draft.fc.weight, dtype),
                               PackedLinear(head if full_head else head[draft.vocab_ids], head_dtype))
+            onto_huge_pages(per_draft[key])
     return per_draft[key]
 
 

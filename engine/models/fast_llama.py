@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from engine.models import cpu_kernels, q4_1_blocks
+from engine.models import cpu_kernels, huge_pages, q4_1_blocks
 from engine.models.causal_lm import CausalLM
 
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8", "q4_1")
@@ -142,6 +142,15 @@ class PackedLinear:
         return F.linear(x, self.weight)
 
 
+def onto_huge_pages(linears: Sequence[PackedLinear]) -> None:
+    """Move the native GEMMs' weights (and int8 scales) into one arena on 2 MB pages
+    (`huge_pages.arena_copies`): the bytes a decode streams, on a few dozen TLB entries."""
+    fields = [(lin, name) for lin in linears if lin.native for name in ("weight", "scales")
+              if getattr(lin, name) is not None]
+    for (lin, name), copy in zip(fields, huge_pages.arena_copies([getattr(lin, name) for lin, name in fields])):
+        setattr(lin, name, copy)
+
+
 def _interleave_heads(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Reorder each head's output rows from rotate-half pairs (i, i+d/2) to adjacent pairs (2i, 2i+1).
 
@@ -187,6 +196,7 @@ class FastLlamaWeights:
         with torch.inference_mode():
             self.embed = model.model.embed_tokens.weight.detach()  # lookups stay float32, shared
             self.layers = [_Layer(layer, weight_dtype, self.head_dim) for layer in model.model.layers]
+            onto_huge_pages([getattr(layer, name) for layer in self.layers for name in cpu_kernels.NativeDecoder.GEMMS])
             self.norm = model.model.norm.weight.detach()
         self._head_weight = model.lm_head.weight
         rotary = model.model.rotary_emb
@@ -210,7 +220,9 @@ class FastLlamaWeights:
         """Converted on first use: a feature draft runs its layers through this backend but never
         this head (it has its own reduced one), so it should not pay for converting it."""
         with torch.inference_mode():
-            return PackedLinear(self._head_weight, self.weight_dtype)
+            head = PackedLinear(self._head_weight, self.weight_dtype)
+            onto_huge_pages([head])
+            return head
 
     def rope_table(self, length: int) -> torch.Tensor:
         """Rotations [length, head_dim/2, 2] as (cos, sin) pairs, from transformers' float32 cos/sin."""

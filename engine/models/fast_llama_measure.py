@@ -1,12 +1,13 @@
 """Measure the fast Llama backend against the transformers backend on the default target.
 
-    PYTHONPATH=. python -m engine.models.fast_llama_measure [--reps 15] [--threads 2] [--llama-cpp]
+    PYTHONPATH=. python -m engine.models.fast_llama_measure [--reps 15] [--threads 2] [--llama-cpp] [--small-pages]
 
 Speed: after a chat prompt is prefilled, each round times one 1-token forward (AR decode) and
 one 5-token forward (verifying 4 drafts + bonus), rolling back after each; backends are
 interleaved round by round so background load hits them alike; medians are reported.
 `--llama-cpp` adds llama.cpp (llama-cpp-python, `deploy/install_llama_cpp.sh`) on the GGUF the
 default target comes from, timed the same way at the same context: `eval` of 1 and of 5 tokens.
+`--small-pages` adds each format with its weights on 4 KB pages, outside the huge-page arenas.
 Prefill: a prompt of 30 / 60 / 120 tokens into an empty cache, with the prefill GEMM
 (`cpu_kernels.linear_wide`, the default from `WIDE_MIN_ROWS` rows) and with the batch-invariant
 decode kernels, interleaved; for the formats it serves (`cpu_kernels.WIDE_FORMATS`).
@@ -24,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.models import HFCausalLM, cpu_kernels, load_pair
-from engine.models.fast_llama import WEIGHT_DTYPES, FastLlamaCausalLM
+from engine.models.fast_llama import WEIGHT_DTYPES, FastLlamaCausalLM, FastLlamaWeights, fast_weights
+from engine.models.huge_pages import huge_page_bytes
 
 PROMPTS = (
     "Write a short story about a robot who learns to paint, in three paragraphs.",
@@ -53,12 +55,30 @@ class _LlamaCpp:
         self.llm.n_tokens = length
 
 
+SMALL_PAGES = " on 4 KB pages"
+
+
 def _make(pair, backend: str):
     if backend == "transformers":
         return HFCausalLM(pair.target_model, "hf", pair.vocab_size)
     if backend == "llama.cpp":
         return _LlamaCpp(torch.get_num_threads())
+    if backend.endswith(SMALL_PAGES):
+        return _on_small_pages(pair, backend.removesuffix(SMALL_PAGES))
     return FastLlamaCausalLM(pair.target_model, backend, pair.vocab_size, weight_dtype=backend)
+
+
+def _on_small_pages(pair, weight_dtype: str) -> FastLlamaCausalLM:
+    """The fast backend with its GEMM weights cloned out of the huge-page arenas (engine.models.huge_pages)
+    into torch's own allocations: the same bytes on 4 KB pages, to measure what the arenas are worth."""
+    lm = FastLlamaCausalLM(pair.target_model, weight_dtype + SMALL_PAGES, pair.vocab_size, weight_dtype=weight_dtype)
+    weights = FastLlamaWeights(pair.target_model, weight_dtype)
+    for gemm in [getattr(layer, name) for layer in weights.layers for name in cpu_kernels.NativeDecoder.GEMMS] + [
+            weights.lm_head]:
+        gemm.weight = gemm.weight.clone()
+        gemm.scales = None if gemm.scales is None else gemm.scales.clone()
+    lm.w = weights
+    return lm
 
 
 def measure_speed(pair, backends, reps: int) -> dict[str, tuple[float, float]]:
@@ -139,19 +159,24 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(WEIGHT_DTYPES))
     parser.add_argument("--no-quality", action="store_true")
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's row (needs llama-cpp-python)")
+    parser.add_argument("--small-pages", action="store_true",
+                        help="add a row per format with the weights on 4 KB pages instead of the 2 MB arenas")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     formats = args.formats.split(",")
     pair = load_pair("default")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, native kernels: "
           f"{cpu_kernels.selected_isa() if cpu_kernels.available() else 'none'}, median of {args.reps} rounds")
+    arena = fast_weights(pair.target_model, formats[0]).layers[0].qkv.weight
+    print(f"the target's {formats[0]} layer weights: {huge_page_bytes(arena) / 2**20:.0f} MB of their arena on 2 MB pages")
 
     prompt = pair.encode_prompt(PROMPTS[1])
     diff = (HFCausalLM(pair.target_model, "hf", pair.vocab_size).forward(prompt, last_n=len(prompt))
             - _make(pair, "float32").forward(prompt, last_n=len(prompt))).abs().max().item()
     print(f"max |logit diff| transformers vs fast float32 over a {len(prompt)}-token prompt: {diff:.2e}")
 
-    speed = measure_speed(pair, ["transformers", *formats] + ["llama.cpp"] * args.llama_cpp, args.reps)
+    small = [f + SMALL_PAGES for f in formats] if args.small_pages and cpu_kernels.available() else []
+    speed = measure_speed(pair, ["transformers", *formats, *small] + ["llama.cpp"] * args.llama_cpp, args.reps)
     base = speed["transformers"][0]
     print("| backend | 1-token decode (ms) | 5-token verify (ms) | verify / decode | decode speed-up |")
     print("|---|---|---|---|---|")
