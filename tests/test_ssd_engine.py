@@ -397,3 +397,18 @@ def test_every_served_first_token_is_drawn_from_the_synchronous_draft(default_pa
     assert not [e for e in events if isinstance(e, WorkerEvent) and e.kind == "degraded"]
     assert len(eng.gaps) > 10
     assert max(eng.gaps) < 1e-2, sorted(eng.gaps)[-5:]
+
+
+@pytest.mark.slow
+def test_contention_measure_times_every_neighbour_on_the_other_core():
+    """Each neighbour starts on the draft's core and every phase is timed (in a child process: the
+    tool pins the process it runs in to the target's core)."""
+    import subprocess
+    import sys
+
+    from engine.ssd.contention_measure import NEIGHBOURS
+
+    out = subprocess.run([sys.executable, "-m", "engine.ssd.contention_measure", "--devices", "target=cpu:0,draft=cpu:1",
+                          "--forwards", "6", "--passes", "1"], capture_output=True, text=True, check=True).stdout
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ") and "---" not in line}
+    assert set(NEIGHBOURS) <= set(rows) and rows["idle"].rstrip().endswith("| 1.000 |")
