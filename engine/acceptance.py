@@ -15,11 +15,12 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling import SamplingParams, entropy, native_width, sample_from, sparse_probs
+from engine.sampling import SamplingParams, entropy, native_width_for, sample_from, sparse_probs
 from engine.uniform_stream import UniformStream
 
 if TYPE_CHECKING:  # annotations only
@@ -313,8 +314,9 @@ def verify_logits(method: str, logits: torch.Tensor, params: SamplingParams, dra
     k = len(draft.tokens)
     if logits.shape[0] != k + 1:
         raise ValueError(f"expected K+1 = {k + 1} rows of logits, got {logits.shape[0]}")
-    width = native_width(params, logits)
-    if width is None:
+    plan = _native_plan(method, params, logits.shape[-1], delta, posterior_threshold, posterior_alpha) \
+        if logits.is_cpu else None
+    if plan is None:
         support = sparse_probs(logits, params)
         ids, probs = support
         dense = probs if ids is None else torch.zeros(k + 1, draft.vocab_size, device=probs.device).scatter_(-1, ids, probs)
@@ -322,7 +324,7 @@ def verify_logits(method: str, logits: torch.Tensor, params: SamplingParams, dra
         return support, RoundVerdict.from_result(verify_on_support(
             method, dense.unsqueeze(0), draft.probs.to(dense.device).unsqueeze(0), tokens, ids, delta=delta,
             posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha, draws=draws))
-    _check_rule(method, delta, posterior_threshold, posterior_alpha)
+    width, temperature, top_p, code = plan
     # Each torch op here costs ~5-20 us with the caches cold after a forward: skip the no-op ones.
     if logits.dtype != torch.float32 or not logits.is_contiguous():
         logits = logits.detach().float().contiguous()
@@ -333,19 +335,33 @@ def verify_logits(method: str, logits: torch.Tensor, params: SamplingParams, dra
         draft_probs = draft.probs.float().contiguous()
     ids = torch.empty(k + 1, width, dtype=torch.long)
     probs = torch.empty(k + 1, width)
-    stats = torch.empty(8, k + 2, dtype=torch.float64)  # rows as cpu_kernels.c verify_logits writes them
-    temperature, top_p = (1.0, 1.0) if params.greedy else (params.temperature, params.top_p)
+    r = k + 2
+    stats = (ctypes.c_double * (8 * r))()  # rows of r as cpu_kernels.c verify_logits writes them
     _kernels().verify_logits(
-        logits.data_ptr(), logits.shape[1], width, temperature, top_p, _RULE_CODES[method], k,
+        logits.data_ptr(), logits.shape[1], width, temperature, top_p, code, k,
         None if draft_ids is None else draft_ids.data_ptr(), None if draft_probs is None else draft_probs.data_ptr(),
         draft.vocab_size if draft_probs is None else draft_probs.shape[-1],
         (ctypes.c_int64 * max(k, 1))(*draft.tokens), *draws.addresses(), delta, posterior_threshold,
-        posterior_alpha, ids.data_ptr(), probs.data_ptr(), stats.data_ptr())
-    values = stats.tolist()
-    per_position = [row[:k] for row in values[:5]] + [values[5][:k + 1]]
-    count, next_token = int(values[7][0]), int(values[7][1])
-    passed = [bool(v) for v in values[7][2:k + 2]]
-    return (ids, probs), RoundVerdict(count, next_token, passed, per_position, values[6][0], values[6][1], draws)
+        posterior_alpha, ids.data_ptr(), probs.data_ptr(), stats)
+    values = stats[:]
+    per_position = [values[i * r: i * r + k] for i in range(5)] + [values[5 * r: 5 * r + k + 1]]
+    passed = [bool(v) for v in values[7 * r + 2: 7 * r + 2 + k]]
+    return (ids, probs), RoundVerdict(int(values[7 * r]), int(values[7 * r + 1]), passed, per_position,
+                                      values[6 * r], values[6 * r + 1], draws)
+
+
+@lru_cache(maxsize=64)
+def _native_plan(method: str, params: SamplingParams, vocab: int, delta: float, posterior_threshold: float,
+                 posterior_alpha: float) -> tuple[int, float, float, int] | None:
+    """(support width, temperature, top-p, rule code) of the native call for these round settings, or
+    None where it does not apply: worked out and checked once per settings, not every round (the
+    checks cost ~25 us with the caches cold after a forward, a third of AR's time outside it)."""
+    width = native_width_for(params, vocab)
+    if width is None:
+        return None
+    _check_rule(method, delta, posterior_threshold, posterior_alpha)
+    temperature, top_p = (1.0, 1.0) if params.greedy else (params.temperature, params.top_p)
+    return width, temperature, top_p, _RULE_CODES[method]
 
 
 _RULE_CODES = {"sps": 0, "tas": 1, "cactus": 2}  # verify_support's method codes (cpu_kernels.c)

@@ -100,10 +100,14 @@ def native_support(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.
 def native_width(params: SamplingParams, logits: torch.Tensor) -> int | None:
     """The support width the native kernels sample `logits` with under `params` (1 greedy, else
     top-k), or None where they do not apply (no or a large top-k, not CPU, no kernels built)."""
-    if not logits.is_cpu or _kernels() is None:
+    return native_width_for(params, logits.shape[-1]) if logits.is_cpu else None
+
+
+def native_width_for(params: SamplingParams, vocab: int) -> int | None:
+    """`native_width` for CPU logits over `vocab` tokens."""
+    if _kernels() is None:
         return None
     width = 1 if params.greedy else params.top_k
-    vocab = logits.shape[-1]
     return width if (params.greedy or 0 < width < vocab) and width <= _MAX_NATIVE_TOP_K else None
 
 
