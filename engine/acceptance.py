@@ -355,7 +355,7 @@ def _native_plan(method: str, params: SamplingParams, vocab: int, delta: float, 
                  posterior_alpha: float) -> tuple[int, float, float, int] | None:
     """(support width, temperature, top-p, rule code) of the native call for these round settings, or
     None where it does not apply: worked out and checked once per settings, not every round (the
-    checks cost ~25 us with the caches cold after a forward, a third of AR's time outside it)."""
+    checks cost ~25 us with the caches cold after a forward, a tenth of AR's time outside its forward)."""
     width = native_width_for(params, vocab)
     if width is None:
         return None
