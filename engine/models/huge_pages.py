@@ -51,15 +51,16 @@ def arena_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return copies
 
 
-def _advise_huge(address: int, length: int) -> bool:
-    """madvise(MADV_HUGEPAGE) on [address, address + length); False where that is not available."""
+def _advise_huge(address: int, length: int) -> None:
+    """madvise(MADV_HUGEPAGE) on [address, address + length) where Linux offers it; a refusal (THP
+    off, an old kernel) leaves ordinary pages, which is all the advice can change."""
     if not sys.platform.startswith("linux"):
-        return False
+        return
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
+        libc = ctypes.CDLL(None)
     except OSError:
-        return False
-    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+        return
+    libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE)
 
 
 def huge_page_bytes(tensor: torch.Tensor) -> int:
