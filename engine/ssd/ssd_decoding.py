@@ -44,8 +44,8 @@ from engine.ssd.fanout import FanoutPlanner
 from engine.ssd.projection import ProjectionTrace, RoundTiming
 from engine.ssd.speculation_cache import Key
 from engine.uniform_stream import UniformStream
-from engine.ssd.worker import (BuildReport, DrafterSpec, RoundReply, RoundRequest, SeqReply, SeqRequest, StartRequest,
-                               WorkerInfo, worker_main)
+from engine.ssd.worker import (REPLY_SPIN_SECONDS, BuildReport, DrafterSpec, RoundReply, RoundRequest, SeqReply,
+                               SeqRequest, StartRequest, WorkerInfo, spin_poll, worker_main)
 
 SSDEvent = StartEvent | TokenEvent | RoundEvent | SSDRoundEvent | WorkerEvent | FinishEvent
 POLL_SECONDS = 0.02
@@ -187,11 +187,12 @@ class SSDEngine:
 
     def _receive(self, kind: type, timeout: float, builds: list[BuildReport] | None = None):
         """The next message of type `kind` for this generation; BuildReports met on the way are collected
-        in `builds`; anything left over from an abandoned generation is dropped."""
-        deadline = time.monotonic() + timeout
+        in `builds`; anything left over from an abandoned generation is dropped. The first
+        `REPLY_SPIN_SECONDS` are busy-polled (`worker.spin_poll`): the reply usually comes within them."""
+        deadline, spin_until = time.monotonic() + timeout, time.perf_counter() + REPLY_SPIN_SECONDS
         while True:
             try:
-                ready = self._conn.poll(POLL_SECONDS)
+                ready = spin_poll(self._conn, spin_until - time.perf_counter()) or self._conn.poll(POLL_SECONDS)
                 msg = self._conn.recv() if ready else None
             except (OSError, EOFError, AttributeError) as err:
                 raise WorkerLost(self._lost(f"its pipe closed ({type(err).__name__})")) from err
