@@ -170,7 +170,7 @@ class SSDRoundEvent:
     round_index: int
     sequences: tuple[int, ...]  # the batch rows still decoding; the per-row tuples follow this order
     hits: tuple[bool, ...]
-    sources: tuple[str, ...]  # cache | neural | fast | ngram | sync (degraded) per sequence
+    sources: tuple[str, ...]  # cache | neural | fast | ngram | local (drafted here) | sync (degraded) per sequence
     lookup_keys: tuple[tuple[int, int] | None, ...]  # the verified outcome (k, y) looked up
     cache_keys: tuple[tuple[tuple[int, int], ...], ...]  # per sequence: the keys the cache held
     fanouts: tuple[int, ...]  # F_0..F_K the searched cache was built with
@@ -182,6 +182,7 @@ class SSDRoundEvent:
     rates: dict = field(default_factory=dict)
     backup: str = ""  # the backup this round actually used on a miss (what `adaptive` chose)
     cache_key_texts: tuple[tuple[str, ...], ...] = ()  # per sequence: each cache key's token as text
+    lookup_texts: tuple[str, ...] = ()  # per sequence: the looked-up outcome's token as text ("" without a lookup)
     budget_requested: int = 0  # Σ F_k the settings asked for
     budget_used: int = 0  # Σ F_k the searched cache was actually filled with (fill sized to the verify)
     cache_depth: int = 0  # tokens per branch the searched cache reached (< K: the fill was cut)

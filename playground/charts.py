@@ -8,6 +8,7 @@ Figures are built in one `go.Figure(data, layout)` call from plain dicts: plotly
 
 from __future__ import annotations
 
+import html
 import textwrap
 from collections.abc import Sequence
 
@@ -251,10 +252,8 @@ def ssd_cache_hits(state: RunState) -> go.Figure:
     rounds = state.ssd_rounds[-MAX_ROUNDS:]
     if not rounds:
         return _empty("SSD cache hits per round", "SSD only: green = the draft guessed the outcome ahead (cache hit)")
-    colours = {"cache": STATUS_COLOURS["accepted"], "sync": "#7f7f7f"}
-    hover = [f"lookup {r.lookup_keys[0]} in {len(r.cache_keys[0])} keys, F={list(r.fanouts)}<br>"
-             f"keys: {', '.join(map(str, r.cache_keys[0][:12]))}{'…' if len(r.cache_keys[0]) > 12 else ''}"
-             for r in rounds]
+    colours = {"cache": STATUS_COLOURS["accepted"], "sync": "#7f7f7f", "local": "#7f7f7f"}
+    hover = [_cache_hover(r) for r in rounds]
     trace = {"type": "bar", "x": [r.round_index for r in rounds], "y": [r.num_emitted[0] for r in rounds],
              "marker": {"color": [colours.get(r.sources[0], "#d62728") for r in rounds]},
              "customdata": [r.sources[0] for r in rounds], "text": hover, "textposition": "none",
@@ -267,11 +266,28 @@ def ssd_cache_hits(state: RunState) -> go.Figure:
         per = f"; tokens/round hit {m.get('tokens_per_round_hit') or 0:.2f}, miss {m.get('tokens_per_round_miss') or 0:.2f}"
     notes = [f"{w.kind}: {w.message}" for w in state.worker_events if w.kind != "started"] or \
         [r.fill_note for r in rounds[-1:] if r.fill_note]
-    title = f"SSD cache: hit rate {hit} (green hit, red miss → backup, grey synchronous){per}"
+    title = f"SSD cache: hit rate {hit} (green hit, red miss → backup, grey drafted by the target){per}"
     annotations = [{"text": notes[-1][:120], "showarrow": False, "x": 0, "y": 1.0, "xref": "paper", "yref": "paper",
                     "xanchor": "left", "font": {"size": 10, "color": CHANGE_COLOUR}}] if notes else []
     shapes, marks = change_marks(state, "round", rounds[0].round_index - 0.5)
     return figure([trace], title, "round", "tokens emitted", shapes=shapes, annotations=annotations + marks)
+
+
+def _cache_hover(r) -> str:
+    """Round r's lookup and the keys its cache held, each key (k, y) as k and y's text."""
+    if r.sources[0] == "local":
+        return "drafted in the target process (no cache lookup)"
+    keys, texts = r.cache_keys[0], (r.cache_key_texts[0] if r.cache_key_texts else ())
+    lookup = r.lookup_keys[0]
+    looked_up = "none (a first round, or the first after rounds drafted by the target)" if lookup is None else \
+        _key_text(lookup, r.lookup_texts[0] if r.lookup_texts else str(lookup[1]))
+    shown = ", ".join(_key_text(key, text) for key, text in zip(keys[:12], texts or map(str, (y for _, y in keys))))
+    return (f"lookup {looked_up} in {len(keys)} keys, F={list(r.fanouts)}<br>"
+            f"keys: {shown}{'…' if len(keys) > 12 else ''}")
+
+
+def _key_text(key: tuple[int, int], text: str) -> str:
+    return f"k={key[0]} {html.escape(repr(text))}"
 
 
 def ssd_speedup(state: RunState) -> go.Figure:

@@ -320,10 +320,24 @@ def test_the_ssd_cache_chart_says_why_the_worker_made_no_fill():
     run = RunState(method="sps")
     note = "no fill at K = 1: a feature draft's hit redraws its first token from the real features, so a cache saves no draft step"
     for i in range(3):
-        reduce(run, SSDRoundEvent(i, (0,), (False,), ("neural",), (0, 1), ((),), (), (1,), (), 0.0, None, None,
+        reduce(run, SSDRoundEvent(i, (0,), (False,), ("neural",), ((0, 1),), ((),), (), (1,), (), 0.0, None, None,
                                   fill_note=note if i else ""))
     shown = [a["text"] for a in ssd_cache_hits(run).to_plotly_json()["layout"].get("annotations", [])]
     assert note in shown
+
+
+def test_the_ssd_cache_hover_shows_token_text_and_rounds_drafted_by_the_target():
+    from engine.events import SSDRoundEvent
+    from playground.charts import ssd_cache_hits
+
+    run = RunState(method="sps")
+    reduce(run, SSDRoundEvent(0, (0,), (False,), ("local",), (None,), ((),), (), (2,), (), None, None, None))
+    reduce(run, SSDRoundEvent(1, (0,), (True,), ("cache",), ((1, 41234),), (((1, 41234), (0, 7)),), (2, 2), (2,), (),
+                              1.0, None, None, cache_key_texts=((" river", "<b>"),), lookup_texts=(" river",)))
+    hover = ssd_cache_hits(run).to_plotly_json()["data"][0]["text"]
+    assert hover[0] == "drafted in the target process (no cache lookup)"
+    assert "lookup k=1 &#x27; river&#x27; in 2 keys" in hover[1] and "k=0 &#x27;&lt;b&gt;&#x27;" in hover[1]
+    assert "41234" not in hover[1]
 
 def test_the_live_feed_carries_every_token_once_in_order_and_ends_with_the_run(tiny_pair):
     """What the page's live view is sent: the run's cells exactly (no gap, no repeat), a live line,

@@ -349,28 +349,53 @@ class _ShadowedEngine(SSDEngine):
 
 
 @pytest.mark.slow
-def test_a_feature_draft_worker_makes_no_fill_at_k_1_and_says_why(default_pair):
+def test_a_feature_draft_at_k_1_drafts_in_the_target_process_and_says_why(default_pair):
     """At K = 1 a feature draft's cache hit would redraw its only token from the real features, the
-    same draft step a miss takes: the worker fills nothing (a fill there only slowed the target's
-    verification on the shared machine), every round is served just in time, and the output is
-    still the target's own (greedy: AR's tokens)."""
+    same draft step a miss takes: no fill can save anything, so the round asks the worker nothing
+    and drafts here, as SpS does (no messages), and the output is still the target's own (greedy:
+    AR's tokens)."""
     prompt = default_pair.encode_prompt("Name three rivers.")
     with SSDEngine(default_pair, target_device="cpu:0", draft_device="cpu:1") as eng:
         events = list(eng.generate([prompt], SpecConfig(max_new_tokens=16, temperature=0.0, num_speculative_tokens=1,
                                                         ssd_fanout=4)))
     rounds = [e for e in events if isinstance(e, SSDRoundEvent)]
-    assert finishes(events)[0].token_ids == ar_tokens(default_pair, prompt, 16)
-    assert len(rounds) > 3 and all(r.next_fill[0] == 0 and r.budget_used == 0 and not any(r.hits) for r in rounds)
-    # (a round whose fill report has not arrived reads "")
-    assert sum(r.fill_note.startswith("no fill at K = 1") for r in rounds) >= len(rounds) - 2
+    fin = finishes(events)[0]
+    assert fin.token_ids == ar_tokens(default_pair, prompt, 16)
+    assert len(rounds) > 3 and all(r.sources == ("local",) and r.budget_used == 0 and not any(r.hits) for r in rounds)
+    assert all(r.fill_note.startswith("drafted in the target process at K = 1") for r in rounds)
+    assert fin.metrics["round_message_ms"] == 0.0 and fin.metrics["worker_alive"]
+
+
+@pytest.mark.slow
+def test_k_changed_live_between_local_and_worker_rounds_keeps_the_greedy_text(default_pair):
+    """K 1 -> 3 -> 1 -> 2 mid-run: rounds drafted here and rounds served by the worker alternate. The
+    worker catches up on every token and feature of the local rounds and never looks its stale
+    cache up for them; greedy, the text is AR's throughout."""
+    prompt = default_pair.encode_prompt("Write a short story about a lighthouse keeper.")
+    cfg = SpecConfig(max_new_tokens=48, temperature=0.0, num_speculative_tokens=1, ssd_fanout=4)
+    schedule = {3: 3, 8: 1, 12: 2}  # round index -> K from the next round on
+    sources = []
+    with SSDEngine(default_pair, target_device="cpu:0", draft_device="cpu:1") as eng:
+        events = []
+        for event in eng.generate([prompt], cfg):
+            events.append(event)
+            if isinstance(event, SSDRoundEvent):
+                sources.append((event.round_index, event.sources[0], event.lookup_keys[0]))
+                cfg.num_speculative_tokens = schedule.get(event.round_index, cfg.num_speculative_tokens)
+    assert finishes(events)[0].token_ids == ar_tokens(default_pair, prompt, 48)
+    kinds = [s for _, s, _ in sources]
+    assert "local" in kinds and any(s != "local" for s in kinds)
+    # The first worker round after local ones is no lookup (its cache is from before them).
+    after_local = [lookup for (_, s, lookup), (_, before, _) in zip(sources[1:], sources) if before == "local" and s != "local"]
+    assert after_local and all(lookup is None for lookup in after_local)
 
 
 @pytest.mark.slow
 def test_ssd_at_k_1_writes_the_text_sps_writes_at_the_same_seed(default_pair):
-    """No fill at K = 1 (a feature draft), so every round's draft is just in time: from the same
-    features and the same uniforms of the sequence's stream as SpS's draft, verified with the
+    """No fill at K = 1 (a feature draft), so every round is drafted in the target process: from the
+    same features and the same uniforms of the sequence's stream as SpS's draft, verified with the
     uniforms after them. Sampled (T 0.6, top-k 20), SSD then writes SpS's tokens exactly, so its
-    acceptance is SpS's and any SSD/SpS gap at K = 1 is the pipe's cost, not a different text."""
+    acceptance is SpS's and any SSD/SpS gap at K = 1 is the loop's own cost, not a different text."""
     from engine.decoding import generate
 
     prompt = default_pair.encode_prompt("Describe a quiet morning in a small town.")

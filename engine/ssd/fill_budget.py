@@ -40,6 +40,16 @@ SMOOTHING = 0.3  # weight of the newest window / glue measurement in the running
 STEP_HISTORY = 8  # tree steps per branch count the step-cost fit looks back over
 
 
+def min_fill_depth(needs_target_features: bool) -> int:
+    """The shallowest cache worth filling: a feature draft's hit redraws its first token (worker.py),
+    so its cache saves a draft step only from the second token on."""
+    return 2 if needs_target_features else 1
+
+
+LOCAL_NOTE = ("drafted in the target process at K = 1: a feature draft's hit redraws its first token from the real "
+              "features, so a cache saves no draft step, and a draft here saves the worker's two messages")
+
+
 @dataclass(frozen=True)
 class FillPlan:
     fanouts: tuple[int, ...]  # F_0..F_K actually used (sum = budget used)

@@ -12,6 +12,11 @@ another (a `CausalLM` holds one sequence's cache), and the worker fills each seq
 one tree pass of its own. With the neural backup any miss delays the reply for the whole batch,
 as in the released engine; that is the effect Theorem 17's adaptive backup weighs.
 
+Where no fill could save a draft step (a feature draft at K = 1: its hit redraws the only token
+from the real features, `fill_budget.min_fill_depth`), a round asks the worker nothing and drafts
+here, exactly as SpS does: the worker could only add its two messages. Its cache is then stale, so
+the next request after such rounds carries every committed token and feature, and no lookup.
+
 If the worker dies or stops answering, the loop says so in a `WorkerEvent` and finishes the
 generation with synchronous drafting in this process (the next generation starts a new worker).
 """
@@ -41,6 +46,7 @@ from engine.models.registry import DEFAULT_FAST_WEIGHTS, ModelPair
 from engine.ssd.backups import resolve_backup
 from engine.ssd.devices import DeviceSpec, default_devices, parse_device, pinned
 from engine.ssd.fanout import FanoutPlanner
+from engine.ssd.fill_budget import LOCAL_NOTE, min_fill_depth
 from engine.ssd.projection import ProjectionTrace, RoundTiming
 from engine.ssd.speculation_cache import Key
 from engine.uniform_stream import UniformStream
@@ -49,6 +55,7 @@ from engine.ssd.worker import (REPLY_SPIN_SECONDS, BuildReport, DrafterSpec, Rou
 
 SSDEvent = StartEvent | TokenEvent | RoundEvent | SSDRoundEvent | WorkerEvent | FinishEvent
 POLL_SECONDS = 0.02
+LOCAL = "local"  # a round's source and backup when it is drafted here by choice: no fill could save a step
 PREFILL_ROWS = 64  # the prefill row count the full-machine ratio is calibrated at
 CALIBRATION_RUNS = 3
 
@@ -70,11 +77,16 @@ class _Row:
     pending_logits: torch.Tensor | None = None
     commit: list[int] = field(default_factory=list)
     outcome: tuple[int, int] | None = None
+    lookup: tuple[int, int] | None = None  # the outcome the last request asked the worker's cache for
+    drafted_here: bool = False  # a local round since the last request: the worker's cache is stale
     served_length: int = 0  # length of the speculation the worker served last (before any cut)
     hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # all target features (for a degrade)
     unsent_hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     reserved: int = 0  # uniforms the worker draws for the speculation in flight (SeqRequest.reserved)
+    index: int = 0  # the row's place in the batch (and in the engine's pools of targets and drafters)
     local_drafter: Drafter | None = None
+    local_seen: int = 0  # entries of `hidden` the local drafter has observed
+    degraded: bool = False  # the worker is gone: every draft from here on is local
     finished: str | None = None
 
 
@@ -109,6 +121,7 @@ class SSDEngine:
         self._process: mp.process.BaseProcess | None = None
         self._conn = None
         self._targets: list[CausalLM] = []
+        self._drafters: list[Drafter] = []  # drafters in this process, for rounds drafted here
         self._generation = 0
         self._calibration: dict[int, float] = {}  # target rows -> forward time on every core / pinned
         self._lock = threading.Lock()  # one generation at a time per engine (one worker)
@@ -221,6 +234,16 @@ class SSDEngine:
                 self._targets.append(self.pair.make_target(self.backend, self.weight_dtype))
         return self._targets[:n]
 
+    def _make_drafters(self, n: int) -> list[Drafter]:
+        while len(self._drafters) < n:
+            self._drafters.append(self.pair.make_drafter(self.spec.kind, self.backend, self.weight_dtype))
+        return self._drafters[:n]
+
+    def _drafts_here(self, cfg: SpecConfig) -> bool:
+        """Whether a round at these settings is drafted in this process: no fill could save a step."""
+        return self.fill_to_verify and cfg.num_speculative_tokens < min_fill_depth(
+            self._drafters[0].needs_target_features)
+
     def generate(self, prompts: Sequence[Sequence[int]], config: SpecConfig, *,
                  eos_token_ids: frozenset[int] = frozenset(), stop: threading.Event | None = None) -> Iterator[SSDEvent]:
         """Decode every prompt of the batch; events carry `sequence` (the prompt's index)."""
@@ -236,6 +259,7 @@ class SSDEngine:
             raise ValueError("this SSD engine is already generating; one generation at a time per draft worker")
         try:
             self.calibrate(cfg.num_speculative_tokens + 1)
+            self._make_drafters(len(prompts))  # for rounds drafted here: loaded before the clock starts, as SpS's
             with pinned(self.target_device):
                 yield from self._generate([list(p) for p in prompts], config, cfg, eos_token_ids, stop)
         finally:
@@ -261,7 +285,7 @@ class SSDEngine:
             target.reset()
             target.keep_hidden = observes
             row = _Row(target, list(prompt), UniformStream(int(cfg.seed) + i),
-                       IncrementalDetokenizer(self.pair.tokenizer), commit=list(prompt))
+                       IncrementalDetokenizer(self.pair.tokenizer), commit=list(prompt), index=i)
             row.pending_logits = target.forward(prompt)
             if observes:
                 row.hidden.append((0, target.last_hidden))
@@ -295,7 +319,7 @@ class SSDEngine:
             k = cfg.num_speculative_tokens
             spans: list[TimelineSpan] = []
             reply, builds, wait_seconds = None, [], 0.0
-            if worker_ok:
+            if worker_ok and backup != LOCAL:
                 try:
                     wait_start = time.perf_counter()
                     reply = self._receive(RoundReply, self.reply_timeout, builds)
@@ -308,7 +332,8 @@ class SSDEngine:
                     yield WorkerEvent("degraded", f"{err}; finishing with synchronous drafting in the target process",
                                       self.devices())
                     self._degrade(rows)
-            fill_seconds, budget_used, fill_depth, fill_cut, window, fill_note = 0.0, 0, 0, False, None, ""
+            fill_seconds, budget_used, fill_depth, fill_cut, window = 0.0, 0, 0, False, None
+            fill_note = LOCAL_NOTE if backup == LOCAL else ""
             for b in builds:
                 spans.append(TimelineSpan("draft", f"cache fill ({b.branches} branches, depth {b.depth})",
                                           b.interval[0] - start, b.interval[1] - start))
@@ -322,21 +347,23 @@ class SSDEngine:
                 if row.finished is not None:
                     continue
                 item = reply.items[i] if reply is not None else None
-                # Every round after a sequence's first is a lookup; a fill cut to nothing is a miss.
-                looked_up = item is not None and row.outcome is not None
+                # Every served round after a sequence's first (or after a local one) is a lookup; a fill
+                # cut to nothing is a miss.
+                looked_up = item is not None and row.lookup is not None
                 if item is not None:
                     proposal = (item.probs.proposal(list(item.tokens)) if item.probs is not None
                                 else Proposal(list(item.tokens), _point_masses(item.tokens, self.pair.vocab_size)))
                     source = item.source
                     if looked_up:
-                        planner.observe_lookup(_fanout_at(item.cache_fanouts, row.outcome[0], row.served_length),
+                        planner.observe_lookup(_fanout_at(item.cache_fanouts, row.lookup[0], row.served_length),
                                                source == "cache")
                     row.served_length = len(item.tokens)
-                else:
-                    proposal, source = None, "sync"
+                else:  # drafted here: by choice (LOCAL), or the worker is gone
+                    proposal, source = None, LOCAL if worker_ok and backup == LOCAL else "sync"
+                    row.drafted_here = True
                 before = row.target.forward_seconds
                 # The draft time on the critical path is the wait for the reply (charged to the first row).
-                lookup = row.outcome if looked_up else None
+                lookup = row.lookup if looked_up else None
                 v = self._verify(row, cfg, proposal, wait_seconds if not verified else 0.0, start, i, spans, eos)
                 seconds = row.target.forward_seconds - before
                 verify_seconds += seconds
@@ -352,7 +379,8 @@ class SSDEngine:
                     self._degrade(rows)
                 yield from events
 
-            hits, sources, lookup_keys, cache_keys, key_texts, emitted, seq_ids, events = [], [], [], [], [], [], [], []
+            hits, sources, lookup_keys, lookup_texts, cache_keys, key_texts, emitted, seq_ids, events = (
+                [], [], [], [], [], [], [], [], [])
             searched, depth, kept = (), 0, []
             for i, row, v, source, lookup, item in verified:
                 events += self._events(row, i, cfg, previous, v, round_index, round_start, start)
@@ -362,6 +390,7 @@ class SSDEngine:
                 sources.append(source)
                 emitted.append(v.num_emitted)
                 lookup_keys.append(lookup)
+                lookup_texts.append(self.pair.tokenizer.decode([lookup[1]]) if lookup is not None else "")
                 keys = tuple(item.cache_keys) if item is not None else ()
                 cache_keys.append(keys)
                 key_texts.append(tuple(self.pair.tokenizer.decode([y]) for _, y in keys))
@@ -371,12 +400,14 @@ class SSDEngine:
             if any(k is not None for k in lookup_keys):
                 fills = [fills[0] + 1, fills[1] + sum(searched), fills[2] + cfg.ssd_cache_budget, fills[3] + depth]
             missed = reply is not None and any(s != "cache" for s in sources)
-            serve = reply.serve[1] - reply.serve[0] if reply is not None else 0.0
+            # A draft made here is the round's serve: on the critical path, with no message around it.
+            drafted_here = sum(v.draft_seconds for _, _, v, _, _, _ in verified) if reply is None else 0.0
+            serve = reply.serve[1] - reply.serve[0] if reply is not None else drafted_here
             ssd.add_round(verify_seconds, time.perf_counter() - round_start, serve if missed else None)
             trace.rounds.append(RoundTiming(
                 emitted=sum(emitted), verify=verify_seconds, verify_full=verify_full,
-                loop=max(asked_at - round_start - wait_seconds - verify_seconds, 0.0), serve=serve,
-                message=max(wait_seconds - serve, 0.0), fill=fill_seconds))
+                loop=max(asked_at - round_start - wait_seconds - verify_seconds - drafted_here, 0.0), serve=serve,
+                message=max(wait_seconds - serve, 0.0) if reply is not None else 0.0, fill=fill_seconds))
             yield from events
             yield SSDRoundEvent(
                 round_index=round_index, sequences=tuple(seq_ids), hits=tuple(hits), sources=tuple(sources),
@@ -385,7 +416,7 @@ class SSDEngine:
                 theoretical_speedup=ssd.theoretical_speedup(), measured_speedup=ssd.measured_speedup(),
                 rates=ssd.rates() | {"acceptance": planner.acceptance, "power_r": planner.power_r(cfg.ssd_power_r),
                                      "next_fanouts": next_sent[1] if next_sent else (), "backup": backup},
-                backup=backup, cache_key_texts=tuple(key_texts), budget_requested=cfg.ssd_cache_budget,
+                backup=backup, cache_key_texts=tuple(key_texts), lookup_texts=tuple(lookup_texts), budget_requested=cfg.ssd_cache_budget,
                 budget_used=sum(searched), cache_depth=depth, first_kept=tuple(kept),
                 next_fill=(budget_used, fill_depth, fill_cut), fill_window_seconds=window, fill_note=fill_note,
                 projected_tokens_per_s=trace.tokens_per_s(True), model_tokens_per_s=trace.tokens_per_s(False),
@@ -412,9 +443,12 @@ class SSDEngine:
 
     def _ask(self, rows: list[_Row], config: SpecConfig, planner: FanoutPlanner, ssd: SSDMetrics
              ) -> tuple[bool, tuple[SpecConfig, tuple[int, ...], str] | None, list[WorkerEvent]]:
-        """Send the next round's request (the settings are read here, once per round)."""
+        """Send the next round's request (the settings are read here, once per round); or, where no
+        fill could save a draft step, send nothing and draft here (`LOCAL`)."""
         cfg = self._snapshot(config)
         k = cfg.num_speculative_tokens
+        if self._drafts_here(cfg):
+            return True, (cfg, (), LOCAL), []
         fanouts = tuple(planner.plan(cfg.ssd_fanout_mode, cfg.ssd_cache_budget, k, cfg.ssd_power_r))
         active = [r for r in rows if r.finished is None]
         backup = resolve_backup(cfg.ssd_backup, len(active), ssd.rates())
@@ -463,29 +497,38 @@ class SSDEngine:
         # The draft's draws come next in the sequence's stream, as in SpS: the worker takes them from
         # its copy, this process passes over them (_verify), and the rule reads the ones after.
         row.reserved = max(min(cfg.num_speculative_tokens, cfg.max_new_tokens - len(row.generated) - 1), 0)
-        request = SeqRequest(row.commit, row.outcome, hidden_start, hidden, row.uniforms.position, row.reserved)
-        row.commit = []
+        # After a round drafted here the worker's cache answers a speculation it did not serve: no lookup.
+        row.lookup = None if row.drafted_here else row.outcome
+        request = SeqRequest(row.commit, row.lookup, hidden_start, hidden, row.uniforms.position, row.reserved)
+        row.commit, row.drafted_here = [], False
         return request
 
     def _degrade(self, rows: list[_Row]) -> None:
-        """Local drafters in this process, brought up to date with every target feature seen so far.
+        """The worker is gone: every row drafts here from now on."""
+        for row in rows:
+            row.degraded = True
+            self._local_drafter(row)
+
+    def _local_drafter(self, row: _Row) -> Drafter:
+        """The row's drafter in this process, brought up to date with every target feature seen so far.
 
         A worker lost before it reported in never said its draft reads target features, so none were
         kept: that can only happen before the first round, and the prompt is then prefilled again
         with its features (the same logits: the target is deterministic).
         """
-        for row in rows:
-            if row.local_drafter is None:
-                row.local_drafter = self.pair.make_drafter(self.spec.kind, self.backend, self.weight_dtype)
-                row.local_drafter.start()
-                if row.local_drafter.needs_target_features:
-                    row.target.keep_hidden = True
-                    if not row.hidden:
-                        row.target.reset()
-                        row.pending_logits = row.target.forward(row.context)
-                        row.hidden.append((0, row.target.last_hidden))
-                    for start, hidden in row.hidden:
-                        row.local_drafter.observe_target(start, hidden)
+        if row.local_drafter is None:
+            row.local_drafter = self._make_drafters(row.index + 1)[row.index]
+            row.local_drafter.start()
+            if row.local_drafter.needs_target_features and not row.hidden:
+                row.target.keep_hidden = True
+                row.target.reset()
+                row.pending_logits = row.target.forward(row.context)
+                row.hidden.append((0, row.target.last_hidden))
+        if row.local_drafter.needs_target_features:
+            for start, hidden in row.hidden[row.local_seen:]:
+                row.local_drafter.observe_target(start, hidden)
+            row.local_seen = len(row.hidden)
+        return row.local_drafter
 
     def _verify(self, row: _Row, cfg: SpecConfig, proposal: Proposal | None, wait_seconds: float, start: float,
                 sequence: int, spans: list[TimelineSpan], eos: frozenset[int]) -> _Verified:
@@ -495,10 +538,10 @@ class SSDEngine:
         k = min(cfg.num_speculative_tokens, remaining - 1)
         vocab = row.target.vocab_size
         draft_before = time.perf_counter()
-        if proposal is None:  # degraded: draft synchronously here
+        if proposal is None:  # drafted here (LOCAL, or the worker is gone)
             proposal = Proposal([], torch.empty(0, vocab))
             if k > 0:
-                proposal = row.local_drafter.propose(row.context, k, params, row.uniforms.take(k))
+                proposal = self._local_drafter(row).propose(row.context, k, params, row.uniforms.take(k))
         else:
             row.uniforms.take(row.reserved)  # the worker drew its draft's uniforms from these
         proposal = proposal.prefix(max(k, 0))
@@ -517,9 +560,7 @@ class SSDEngine:
         if row.target.keep_hidden and feed:
             hidden = (fed_from, row.target.last_hidden[: row.target.length - fed_from])
             row.hidden.append(hidden)
-            if row.local_drafter is not None:
-                row.local_drafter.observe_target(*hidden)
-            else:
+            if not row.degraded:
                 row.unsent_hidden.append(hidden)
         verify_end = time.perf_counter()
         spans.append(TimelineSpan("target", f"verify seq {sequence}", verify_start - start, verify_end - start))

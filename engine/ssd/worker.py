@@ -41,7 +41,7 @@ from engine.models.registry import DEFAULT_FAST_WEIGHTS
 from engine.sampling import SamplingParams
 from engine.ssd.backups import fast_backup, ngram_backup
 from engine.ssd.devices import DeviceSpec, pin
-from engine.ssd.fill_budget import MARGIN, FillPlan, FillSizer
+from engine.ssd.fill_budget import MARGIN, FillPlan, FillSizer, min_fill_depth
 from engine.ssd.saguaro import saguaro_shape
 from engine.ssd.speculation_cache import Key, SpeculationCache, couple_first_token, fork_keys
 from engine.uniform_stream import UniformStream
@@ -244,8 +244,7 @@ def _serve(spec: DrafterSpec, device: DeviceSpec, first: Drafter, conn: Connecti
         replied = start = time.perf_counter()
         active = [seq for seq, item in zip(seqs, msg.items) if item is not None]
         if msg.fill_to_verify:
-            min_depth = 2 if first.needs_target_features else 1  # fill_budget: a feature hit redrafts token 1
-            plan = sizer.plan(msg.fanouts, len(active), min_depth)
+            plan = sizer.plan(msg.fanouts, len(active), min_fill_depth(first.needs_target_features))
             deadline = replied + MARGIN * (sizer.window or float("inf"))
             stop = _stop(conn, sizer, deadline)
         else:
