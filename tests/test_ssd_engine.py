@@ -386,7 +386,8 @@ def test_k_changed_live_between_local_and_worker_rounds_keeps_the_greedy_text(de
     kinds = [s for _, s, _ in sources]
     assert "local" in kinds and any(s != "local" for s in kinds)
     # The first worker round after local ones is no lookup (its cache is from before them).
-    after_local = [lookup for (_, s, lookup), (_, before, _) in zip(sources[1:], sources) if before == "local" and s != "local"]
+    after_local = [lookup for (_, s, lookup), (_, before, _) in zip(sources[1:], sources)
+                   if before == "local" and s != "local"]
     assert after_local and all(lookup is None for lookup in after_local)
 
 

@@ -416,8 +416,9 @@ class SSDEngine:
                 theoretical_speedup=ssd.theoretical_speedup(), measured_speedup=ssd.measured_speedup(),
                 rates=ssd.rates() | {"acceptance": planner.acceptance, "power_r": planner.power_r(cfg.ssd_power_r),
                                      "next_fanouts": next_sent[1] if next_sent else (), "backup": backup},
-                backup=backup, cache_key_texts=tuple(key_texts), lookup_texts=tuple(lookup_texts), budget_requested=cfg.ssd_cache_budget,
-                budget_used=sum(searched), cache_depth=depth, first_kept=tuple(kept),
+                backup=backup, cache_key_texts=tuple(key_texts), lookup_texts=tuple(lookup_texts),
+                budget_requested=cfg.ssd_cache_budget, budget_used=sum(searched), cache_depth=depth,
+                first_kept=tuple(kept),
                 next_fill=(budget_used, fill_depth, fill_cut), fill_window_seconds=window, fill_note=fill_note,
                 projected_tokens_per_s=trace.tokens_per_s(True), model_tokens_per_s=trace.tokens_per_s(False),
             )
