@@ -31,6 +31,8 @@ CSS = """
 #tokens-live .live-tokens { line-height: 1.9; padding: 4px 0; height: 15.2em; overflow-y: auto; contain: strict; }
 #tokens-live .live-token { border-radius: 3px; padding: 1px 1px; white-space: pre-wrap; }
 #tokens-live .live-status { padding: 2px 0; }
+/* A key chart's live line (live_feed.py), over the chart until Plotly redraws it. */
+.live-preview { position: absolute; inset: 0; width: 100%; height: 100%; z-index: 5; pointer-events: none; }
 """
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import textwrap
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
@@ -18,6 +19,7 @@ from playground.state import STATUS_COLOURS, RunState
 
 MAX_TOKENS = 400
 MAX_ROUNDS = 200
+THROUGHPUT_WINDOW = 5  # rounds per point of the tokens/s line
 GANTT_ROUNDS = 30
 HEIGHT = 270
 HINT_WIDTH = 48  # characters per line of an empty chart's hint
@@ -162,11 +164,7 @@ def divergence_budget(state: RunState) -> go.Figure:
                    "y": [state.divergence[t.index].induced_kl for t in tested], "mode": "markers",
                    "name": "KL(induced ‖ T): what is emitted (exact)",
                    "marker": {"symbol": "diamond", "size": 7, "color": INDUCED_COLOUR}})
-    total, running = 0.0, []
-    for index, divergence in sorted(state.divergence.items()):
-        total += divergence.induced_kl
-        running.append((index, total))
-    shown = [(i, v) for i, v in running if i >= x[0]]
+    shown = [(i, v) for i, v in running_induced_kl(state) if i >= x[0]]
     traces.append({"type": "scatter", "x": [i for i, _ in shown], "y": [v for _, v in shown], "mode": "lines",
                    "name": "Σ KL(induced ‖ T) so far (right axis)", "yaxis": "y2", "line": {"color": "#333"}})
     shapes, notes = change_marks(state, "token", x[0] - 1)
@@ -178,17 +176,32 @@ def divergence_budget(state: RunState) -> go.Figure:
                   yaxis2={"overlaying": "y", "side": "right", "title": {"text": "total nats"}, "showgrid": False})
 
 
-def throughput(state: RunState, ar_baseline_tps: float | None, window: int = 5) -> go.Figure:
+def running_induced_kl(state: RunState) -> list[tuple[int, float]]:
+    """(token index, Σ KL(induced ‖ T) up to it) at every tested position so far."""
+    total, running = 0.0, []
+    for index, divergence in sorted(state.divergence.items()):
+        total += divergence.induced_kl
+        running.append((index, total))
+    return running
+
+
+def throughput_points(rounds: Sequence, window: int = THROUGHPUT_WINDOW) -> list[tuple[float, float]]:
+    """(seconds since start, tokens/s over the last `window` rounds) at the end of each round."""
+    points = []
+    for i, r in enumerate(rounds):
+        chunk = rounds[max(0, i - window + 1): i + 1]
+        seconds = sum(c.round_seconds for c in chunk)
+        points.append((r.elapsed_seconds, sum(c.num_emitted for c in chunk) / seconds if seconds > 0 else 0.0))
+    return points
+
+
+def throughput(state: RunState, ar_baseline_tps: float | None, window: int = THROUGHPUT_WINDOW) -> go.Figure:
     """Tokens/s over time (a moving window of rounds) with the measured AR baseline."""
     rounds = state.rounds[-MAX_ROUNDS:]
     if not rounds:
         return _empty("Tokens/s over time", "speed as it runs, against your AR reference; live changes are marked")
-    xs, ys = [], []
-    for i, r in enumerate(rounds):
-        chunk = rounds[max(0, i - window + 1): i + 1]
-        seconds = sum(c.round_seconds for c in chunk)
-        xs.append(r.elapsed_seconds)
-        ys.append(sum(c.num_emitted for c in chunk) / seconds if seconds > 0 else 0.0)
+    points = throughput_points(rounds, window)
+    xs, ys = [x for x, _ in points], [y for _, y in points]
     shapes, notes = change_marks(state, "time", rounds[0].elapsed_seconds - rounds[0].round_seconds)
     if ar_baseline_tps:
         shape, note = _hline(ar_baseline_tps, f"AR baseline {ar_baseline_tps:.1f} tok/s")
@@ -198,6 +211,36 @@ def throughput(state: RunState, ar_baseline_tps: float | None, window: int = 5) 
                     "name": f"{state.method} (last {window} rounds)", "marker": {"size": 4},
                     "line": {"color": STATUS_COLOURS["accepted"]}}],
                   "Tokens/s over time", "seconds since start", "tokens/s", shapes=shapes, annotations=notes)
+
+
+@dataclass(frozen=True)
+class LiveSeries:
+    """A key chart's live view while the run streams: one line the page draws on a canvas over the
+    chart (a Plotly redraw holds Chromium's main thread 20-70 ms, with the browser on the engine's
+    cores a cost the engine paid; a canvas line takes well under a millisecond). Points only ever
+    get appended, so the feed sends each one once. The full chart is drawn when the run pauses or ends."""
+
+    title: str
+    x_label: str
+    y_label: str
+    points: list[tuple[float, float]]
+    reference: tuple[float, str] | None = None  # a horizontal line: (y, label)
+    marks: tuple[tuple[float, str], ...] = ()  # live changes: (x, label)
+
+
+def live_series(state: RunState, ar_baseline_tps: float | None) -> dict[str, LiveSeries]:
+    """The two key charts' live lines, keyed by chart id: tokens/s against the AR reference, and the
+    running total of the exact induced divergence."""
+    reference = (ar_baseline_tps, f"AR {ar_baseline_tps:.1f} tok/s") if ar_baseline_tps else None
+    return {
+        "chart-throughput": LiveSeries(
+            f"Tokens/s over time (live, last {THROUGHPUT_WINDOW} rounds)", "seconds since start", "tokens/s",
+            throughput_points(state.rounds), reference,
+            tuple((c.elapsed_seconds, c.label) for c in state.changes)),
+        "chart-divergence": LiveSeries(
+            "Σ KL(induced ‖ T) so far (live)", "token index", "total nats",
+            running_induced_kl(state), None, tuple((c.token_index - 0.5, c.label) for c in state.changes)),
+    }
 
 
 SSD_LANES = {"draft": "#17becf", "target": "#bcbd22", "wait": "#d62728"}

@@ -13,11 +13,14 @@ first and the final update (the clickable token view, the details) and the statu
 run pauses or resumes (moments the engine is not running), and any other client (gradio_client,
 curl) gets the usual frames. A page that leaves stops its run, as a closed Gradio stream does.
 
-The live charts ride the same feed: every `CHART_EVERY` messages one of them, in turn, as a
-figure the page hands to `Plotly.react` on the chart already drawn. Through Gradio, a tick
-redrawing one `gr.Plot` held Chromium's main thread for 90-180 ms in the middle of the decode;
-`Plotly.react` on the same figure takes 20-30 ms alone, and a feed message carrying one 27-80 ms
-(traces, AMD EPYC Zen 4, 2 cores).
+The two key charts ride the same feed as lines (`charts.LiveSeries`): each message carries the
+points added since the last one, and the page draws them on a canvas over the chart, replaced
+by the full Plotly chart when the run pauses or ends. Through Gradio, a tick redrawing one
+`gr.Plot` held Chromium's main thread for 90-180 ms in the middle of the decode; `Plotly.react` on
+the same figure over the feed took 18-28 ms alone (react, extendTraces and restyle alike) and
+27-80 ms in a run, and with those redraws (one chart a second) page / engine was 0.77 / 0.77 /
+0.765 for AR / SpS / Cactus against 0.89 / 0.90 / 0.80 without them (medians of four
+`playground.browser_bench` runs each, AMD EPYC Zen 4, 2 cores, Chromium on the same cores).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from playground.charts import LiveSeries
 from playground.engine_loop import RunHandle
 from playground.state import EMPTY_TOKEN_TEXT, STATUS_COLOURS, RunState
 
@@ -46,7 +50,6 @@ ROUTE = "/specplay/live/{feed_id}"
 FEED_SECONDS = 0.2
 FIRST_FEED_SECONDS = 0.02  # until the first token is sent, the feed looks this often (time to first token)
 STATUS_EVERY = 2  # feed messages per status-line refresh
-CHART_EVERY = 5  # feed messages per live-chart redraw (one chart a second, in turn: each every 2 s)
 ATTACH_SECONDS = 2.0  # a page that asked for a feed but has not opened it by then gets Gradio frames
 FEED_TTL_SECONDS = 600.0  # an unopened feed is forgotten after this
 
@@ -59,7 +62,7 @@ class Feed:
     handle: RunHandle
     status: Callable[[RunState], str]  # the live line above the tokens (Markdown with **bold**)
     stop_run: Callable[[], None]
-    chart: Callable[[RunState, int], tuple[str, dict]] | None = None  # (turn) -> (chart elem_id, Plotly figure JSON)
+    series: Callable[[RunState], dict[str, LiveSeries]] | None = None  # the key charts' live lines, by chart id
     opened: threading.Event = field(default_factory=threading.Event)
     created: float = field(default_factory=time.monotonic)
 
@@ -72,8 +75,8 @@ class LiveFeeds:
         self._lock = threading.Lock()
 
     def open(self, handle: RunHandle, status: Callable[[RunState], str], stop_run: Callable[[], None],
-             chart: Callable[[RunState, int], tuple[str, dict]] | None = None) -> Feed:
-        feed = Feed(secrets.token_urlsafe(16), handle, status, stop_run, chart)
+             series: Callable[[RunState], dict[str, LiveSeries]] | None = None) -> Feed:
+        feed = Feed(secrets.token_urlsafe(16), handle, status, stop_run, series)
         with self._lock:
             for stale in [k for k, f in self._feeds.items() if feed.created - f.created > FEED_TTL_SECONDS]:
                 del self._feeds[stale]
@@ -101,32 +104,48 @@ def status_html(markdown: str) -> str:
     return re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", html.escape(markdown, quote=False))
 
 
-def _fold(feed: Feed, chart_turn: int | None) -> tuple[RunState, dict]:
-    """(on a worker thread) The run folded up to now and, for a chart turn, that chart's figure."""
+def _fold(feed: Feed, with_series: bool) -> tuple[RunState, dict[str, LiveSeries]]:
+    """(on a worker thread) The run folded up to now and, if asked, the key charts' live lines."""
     run = feed.handle.state()
-    if chart_turn is None or feed.chart is None or not run.rounds:
-        return run, {}
-    chart_id, figure = feed.chart(run, chart_turn)
-    return run, {chart_id: figure}
+    return run, feed.series(run) if with_series and feed.series is not None else {}
+
+
+def _series_delta(series: dict[str, LiveSeries], sent: dict[str, int], shown: dict[str, tuple]) -> dict[str, dict]:
+    """Per chart, the points after the `sent` ones (`from`: the index of the first) and, where they
+    changed since last `shown`, its title, axis labels, reference line and change marks."""
+    delta = {}
+    for chart_id, s in series.items():
+        first = sent.get(chart_id, 0)
+        meta = (s.title, s.x_label, s.y_label, s.reference, s.marks)
+        if len(s.points) == first and shown.get(chart_id) == meta:
+            continue
+        entry: dict = {"from": first, "points": [[x, y] for x, y in s.points[first:]]}
+        if shown.get(chart_id) != meta:
+            entry.update(title=s.title, x=s.x_label, y=s.y_label, reference=s.reference, marks=s.marks)
+            shown[chart_id] = meta
+        sent[chart_id] = len(s.points)
+        delta[chart_id] = entry
+    return delta
 
 
 async def messages(feed: Feed, frame_seconds: float = FEED_SECONDS) -> AsyncIterator[dict]:
     """What the page is sent, every `frame_seconds` (every `FIRST_FEED_SECONDS` until the first token):
     the cells ([text, status]) the run added since the last message and, where it changed (looked at
-    every `STATUS_EVERY` messages, and at every one while paused), the live line; every `CHART_EVERY`
-    messages, while the run streams and has done a round since, the next live chart; the last has
-    done=True (the final Gradio update draws every chart). Nothing new, nothing sent. The run's
-    events are folded, and charts built, on a worker thread (the divergences of a round are computed
-    there), never on the server's event loop; that time is inside the frame, so messages keep the
-    cadence whatever a fold costs."""
+    every `STATUS_EVERY` messages, and at every one while paused), the live line; while the run
+    streams, the key charts' new points (`series`); `paused` when the run parks or goes on (Gradio
+    draws every chart while it is parked); the last has done=True (the final Gradio update draws every chart). Nothing
+    new, nothing sent. The run's events are folded, and the lines built, on a worker thread (the
+    divergences of a round are computed there), never on the server's event loop; that time is
+    inside the frame, so messages keep the cadence whatever a fold costs."""
     feed.opened.set()
-    sent, count, shown, turn, charted = 0, 0, None, 0, None
+    sent, count, shown, paused = 0, 0, None, False
+    points_sent: dict[str, int] = {}
+    series_shown: dict[str, tuple] = {}
     while True:
         looked_at = time.monotonic()  # the cadence counts from here: folding and sending are inside the frame
         done = feed.handle.done.is_set()
-        chart_now = (not done and not feed.handle.parked and count % CHART_EVERY == CHART_EVERY - 1
-                     and feed.handle.rounds_done != charted)
-        run, charts = await asyncio.to_thread(_fold, feed, turn if chart_now else None)
+        streaming = not done and not feed.handle.parked
+        run, series = await asyncio.to_thread(_fold, feed, streaming)
         cells = [[t.text or EMPTY_TOKEN_TEXT, t.status] for t in run.tokens[sent:]]
         sent += len(cells)
         count += 1
@@ -135,8 +154,11 @@ async def messages(feed: Feed, frame_seconds: float = FEED_SECONDS) -> AsyncIter
             status = status_html(feed.status(run))
             if status != shown or done:  # the last message always carries the final line
                 message["status"] = shown = status
-        if charts:
-            message["charts"], charted, turn = charts, feed.handle.rounds_done, turn + 1
+        delta = _series_delta(series, points_sent, series_shown)
+        if delta:
+            message["series"] = delta
+        if run.paused != paused:
+            message["paused"] = paused = run.paused
         if done:
             message["done"] = True
         if cells or len(message) > 1:
@@ -198,21 +220,88 @@ PAGE_JS = """
         if (following) tokens.scrollTop = tokens.scrollHeight;  // keep the newest tokens in view
       }
       if (m.status !== undefined) status.innerHTML = m.status;
-      for (const [id, figure] of Object.entries(m.charts || {})) {  // onto the chart Gradio drew
-        const plot = document.querySelector(`#${id} .js-plotly-plot`);
-        if (plot && window.Plotly) window.Plotly.react(plot, figure.data, figure.layout);
-      }
+      for (const [id, s] of Object.entries(m.series || {})) preview(id, s);
+      if (m.paused === true) hidePreviews();  // Gradio draws every chart while the run is parked
       if (box.isConnected) showGradio(false);  // (the final update may already have replaced the box)
-      if (m.done) source.close();
+      if (m.done) { source.close(); handOver(); }
     };
-    source.onerror = () => source.close();
+    source.onerror = () => { source.close(); handOver(); };
+  };
+  // The key charts' live lines: drawn on a canvas over each chart while the run streams (a Plotly
+  // redraw costs the page 20-70 ms of main thread; this, well under one), until Plotly redraws it.
+  let previews = {};
+  const preview = (id, s) => {
+    const p = previews[id] = previews[id] || {points: [], marks: []};
+    if (s.from !== p.points.length) p.points.length = Math.min(p.points.length, s.from);  // (never: points only grow)
+    p.points.push(...s.points);
+    if (s.title !== undefined) Object.assign(p, {title: s.title, x: s.x, y: s.y, reference: s.reference, marks: s.marks});
+    draw(id, p);
+  };
+  const draw = (id, p) => {
+    const host = document.querySelector(`#${id}`);
+    if (!host || !p.points.length) return;
+    if (!p.canvas || !p.canvas.isConnected) {
+      p.canvas = document.createElement('canvas');
+      p.canvas.className = 'live-preview';
+      host.style.position = 'relative';
+      host.appendChild(p.canvas);
+    }
+    const c = p.canvas, ratio = window.devicePixelRatio || 1, w = host.clientWidth, h = host.clientHeight;
+    if (c.width !== w * ratio || c.height !== h * ratio) { c.width = w * ratio; c.height = h * ratio; }
+    const g = c.getContext('2d');
+    g.setTransform(ratio, 0, 0, ratio, 0, 0);
+    g.fillStyle = '#fff'; g.fillRect(0, 0, w, h);
+    const left = 56, right = w - 16, top = 34, bottom = h - 40;
+    const xs = p.points.map(q => q[0]), ys = p.points.map(q => q[1]);
+    const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1e-9);
+    const y1 = Math.max(...ys, p.reference ? p.reference[0] : 0) * 1.1 || 1;
+    const X = (x) => left + (right - left) * (x - x0) / (x1 - x0), Y = (y) => bottom - (bottom - top) * y / y1;
+    g.font = '14px sans-serif'; g.fillStyle = '#333'; g.textAlign = 'left'; g.textBaseline = 'top';
+    g.fillText(p.title, 8, 8, w - 16);
+    g.font = '11px sans-serif'; g.fillStyle = '#666';
+    g.strokeStyle = '#ccc'; g.lineWidth = 1; g.strokeRect(left, top, right - left, bottom - top);
+    g.textBaseline = 'middle'; g.textAlign = 'right';
+    for (const v of [0, y1 / 2, y1]) g.fillText(v.toPrecision(3), left - 4, Y(v));
+    g.textAlign = 'center'; g.textBaseline = 'top';
+    g.fillText(x0.toPrecision(3), left, bottom + 4); g.fillText(x1.toPrecision(3), right, bottom + 4);
+    g.fillText(p.x, (left + right) / 2, bottom + 18);
+    g.save(); g.translate(12, (top + bottom) / 2); g.rotate(-Math.PI / 2); g.fillText(p.y, 0, -6); g.restore();
+    g.textAlign = 'left'; g.textBaseline = 'top';
+    g.setLineDash([3, 3]); g.strokeStyle = '#d62728'; g.fillStyle = '#d62728';
+    for (const [x, label] of p.marks || []) {
+      if (x < x0 || x > x1) continue;
+      g.beginPath(); g.moveTo(X(x), top); g.lineTo(X(x), bottom); g.stroke(); g.fillText(label, X(x) + 3, top + 2);
+    }
+    if (p.reference) {
+      g.setLineDash([6, 4]); g.strokeStyle = '#555'; g.fillStyle = '#555';
+      g.beginPath(); g.moveTo(left, Y(p.reference[0])); g.lineTo(right, Y(p.reference[0])); g.stroke();
+      g.textAlign = 'right'; g.textBaseline = 'bottom'; g.fillText(p.reference[1], right - 2, Y(p.reference[0]) - 2);
+    }
+    g.setLineDash([]); g.strokeStyle = colours.accepted; g.lineWidth = 2;
+    g.beginPath();
+    p.points.forEach(([x, y], i) => (i ? g.lineTo(X(x), Y(y)) : g.moveTo(X(x), Y(y))));
+    g.stroke();
+  };
+  const hidePreviews = () => {
+    for (const p of Object.values(previews)) if (p.canvas) { p.canvas.remove(); p.canvas = null; }
+  };
+  // The run is over: each line stays until Gradio has drawn its chart (or a few seconds at most).
+  const handOver = () => {
+    const ending = previews;
+    previews = {};
+    for (const [id, p] of Object.entries(ending)) {
+      const drop = () => { if (p.canvas) p.canvas.remove(); p.canvas = null; };
+      const plot = document.querySelector(`#${id} .js-plotly-plot`);
+      if (plot && plot.once) plot.once('plotly_afterplot', drop);
+      setTimeout(drop, 5000);
+    }
   };
   // One cheap query per batch of DOM changes: a new feed box starts following, a removed one (the
   // run's final update) gives the token view back.
   let current = null;
   new MutationObserver(() => {
     const box = document.querySelector('#tokens-live [data-feed]');
-    if (box && box !== current) follow(box);
+    if (box && box !== current) { hidePreviews(); previews = {}; follow(box); }
     if (!box && current) showGradio(true);
     current = box;
   }).observe(document.documentElement, {subtree: true, childList: true});

@@ -14,7 +14,7 @@ import gradio as gr
 
 from playground import charts
 from playground.inspector import inspect_figure, inspect_markdown
-from playground.live_feed import ATTACH_SECONDS, CHART_EVERY, FEED_SECONDS, feed_html
+from playground.live_feed import ATTACH_SECONDS, feed_html
 from playground.limits import DEFAULT_PROMPT, DEFAULT_SETTINGS, MAX_SSD_BUDGET, METHOD_LABELS, SSD_RULES, UI_METHODS, build_config
 from playground.page import ENGINE_QUEUE, HANG_GUARD_SECONDS, Page
 from playground.runner import VLLM_TARGET_NAMES, start_session_run
@@ -25,9 +25,9 @@ from playground.vllm_config import speculative_config_text
 
 # Chromium shares the machine with the engine: every chart redraw is CPU taken from the engine's
 # OpenMP team (measured with playground.browser_bench). So while a run streams, only the two key
-# charts next to the tokens redraw, one of them at a time in turn (over the live feed, or on the
-# timer for a page without one); all seven redraw when it pauses or ends.
-CHART_HZ = 1.0 / (CHART_EVERY * FEED_SECONDS)  # the feed's chart cadence, for a page without one
+# charts next to the tokens are live: as lines the page draws from the live feed, or, for a page
+# without one, redrawn one at a time in turn on the timer; all seven redraw when it pauses or ends.
+CHART_HZ = 1.0  # the timer's chart cadence, for a page without the live feed
 CHART_IDS = ("chart-per-position", "chart-histogram", "chart-divergence", "chart-throughput", "chart-timeline",
              "chart-ssd", "chart-speedup")
 LIVE_CHART_IDS = ("chart-throughput", "chart-divergence")
@@ -134,12 +134,12 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
         if wants_feed_v:  # the page streams tokens from the live feed; Gradio updates the status line only
             handle, loop = session.handle, loop_of(session)  # when the run pauses, resumes or ends
 
-            def feed_chart(r: RunState, turn: int) -> tuple[str, dict]:
-                chart_id, figure = live_chart(session, r, turn)
-                return chart_id, figure.to_plotly_json()
+            def live_lines(r: RunState) -> dict[str, charts.LiveSeries]:
+                reference = ctx.reference_for(session)
+                return charts.live_series(r, reference.tokens_per_s if reference else None)
 
             feed = ctx.feeds.open(handle, lambda r: progress_line(r, ctx.reference_for(session)),
-                                  lambda: loop.stop(handle), feed_chart)
+                                  lambda: loop.stop(handle), live_lines)
             yield [], "Starting…", gr.skip(), gr.skip(), feed_html(feed.id)
         shown, frames, paused = None, 0, None
         for run in runs:

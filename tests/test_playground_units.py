@@ -396,38 +396,36 @@ def test_the_live_feed_looks_often_until_the_first_token_then_at_its_cadence(tin
     assert sum(len(m["cells"]) for m in sent) == 12 and sent[-1]["done"]
 
 
-def test_the_live_feed_draws_the_live_charts_in_turn_while_the_run_streams(tiny_pair):
-    """Every CHART_EVERY messages the feed carries the next live chart (Plotly JSON for the page's
-    `Plotly.react`), built from the run as folded so far; none while the run is parked, none with
-    the last message (Gradio's final update draws every chart). The run's real events are handed to
-    the feed one round per message, so nothing depends on timing."""
+def test_the_live_feed_sends_each_point_of_the_key_charts_lines_once_while_the_run_streams(tiny_pair):
+    """While the run streams, each feed message carries the points the key charts' lines gained
+    since the last one (`from` says where they go), with title, reference and change marks when they
+    change; none while the run is parked (it says `paused`, and Gradio draws every chart), none
+    with the last message (the final update draws them). Put together, the points are exactly the
+    finished run's lines. The run's real events are handed to the feed one round per message, so
+    nothing depends on timing."""
     import asyncio
 
     from engine.events import RoundEvent
     from playground.engine_loop import RunHandle
-    from playground.live_feed import CHART_EVERY, LiveFeeds, messages
+    from playground.live_feed import LiveFeeds, messages
 
     cfg = SpecConfig(method="cactus", temperature=0.8, top_k=20, max_new_tokens=120, seed=3,
                      inspect_top_n=inspector_width(tiny_pair.vocab_size, 20))
     events = list(generate(tiny_pair.make_target(), tiny_pair.make_drafter(), tiny_pair.tokenizer,
                            tiny_pair.encode_prompt("hi"), cfg, eos_token_ids=frozenset()))
     rounds = [i + 1 for i, e in enumerate(events) if isinstance(e, RoundEvent)]
-    assert len(rounds) > 3 * CHART_EVERY
+    assert len(rounds) > 10
     handle = RunHandle(lambda: iter(()), RunState(method="cactus"), time.monotonic() + 600)
-    ids = ("chart-throughput", "chart-divergence")
-
-    def chart(run: RunState, turn: int) -> tuple[str, dict]:
-        figure = charts.throughput(run, None) if turn % 2 == 0 else charts.divergence_budget(run)
-        return ids[turn % 2], figure.to_plotly_json()
-
-    feed = LiveFeeds().open(handle, lambda r: f"{len(r.tokens)} tokens", lambda: None, chart)
-    parked_at = 2 * CHART_EVERY - 1  # the second chart's turn comes while the run is parked
+    feed = LiveFeeds().open(handle, lambda r: f"{len(r.tokens)} tokens", lambda: None,
+                            lambda r: charts.live_series(r, 100.0))
+    parked_at = 5
 
     async def collect() -> list[dict]:
         sent, feed_messages = [], messages(feed, frame_seconds=0)
         for n, end in enumerate(rounds):
             handle.events[:] = events[:end]
             handle.rounds_done, handle.parked = n + 1, n == parked_at
+            handle.run.paused = handle.parked
             if end == rounds[-1]:
                 handle.events[:] = events
                 handle.done.set()
@@ -435,14 +433,23 @@ def test_the_live_feed_draws_the_live_charts_in_turn_while_the_run_streams(tiny_
         return sent
 
     sent = asyncio.run(collect())
-    charted = [(i, m["charts"]) for i, m in enumerate(sent) if "charts" in m]
-    assert [i for i, _ in charted] == [i for i in range(len(sent) - 1)
-                                       if i % CHART_EVERY == CHART_EVERY - 1 and i != parked_at]
-    assert [next(iter(c)) for _, c in charted] == [ids[t % 2] for t in range(len(charted))]  # in turn
-    first = charted[0][1]["chart-throughput"]
-    assert first["layout"]["title"]["text"] == "Tokens/s over time"
-    assert len(first["data"][0]["x"]) == CHART_EVERY  # the rounds folded when it was built
-    assert sent[-1].get("done") and "charts" not in sent[-1]
+    assert "series" not in sent[parked_at] and sent[parked_at]["paused"] is True
+    assert sent[parked_at + 1]["paused"] is False and "paused" not in sent[parked_at + 2]
+    assert sent[-1].get("done") and "series" not in sent[-1]
+    streamed = [m for i, m in enumerate(sent[:-1]) if i != parked_at]
+    assert all(set(m["series"]) == {"chart-throughput", "chart-divergence"} for m in streamed[1:] if "series" in m)
+    final = charts.live_series(handle.state(), 100.0)
+    for chart_id in ("chart-throughput", "chart-divergence"):
+        parts = [m["series"][chart_id] for m in sent if chart_id in m.get("series", {})]
+        points = []
+        for part in parts:
+            assert part["from"] == len(points)
+            points += part["points"]
+        assert points == [[x, y] for x, y in final[chart_id].points[:len(points)]]
+        assert len(points) >= len(final[chart_id].points) - 3  # the last rounds come with the final update
+        assert parts[0]["title"] == final[chart_id].title and all("title" not in p for p in parts[1:])
+    assert sent[[i for i, m in enumerate(sent) if "chart-throughput" in m.get("series", {})][0]][
+        "series"]["chart-throughput"]["reference"] == (100.0, "AR 100.0 tok/s")
 
 
 def test_inspector_candidates_wait_for_a_reader_and_equal_the_eager_ones(tiny_pair):
