@@ -129,6 +129,51 @@ def test_gguf_blocks_compute_exactly_what_their_float32_panels_compute(n, k, wei
     torch.testing.assert_close(want, x @ weight.T, atol=1e-5, rtol=1e-5)
 
 
+def _gguf_rounded(weight: torch.Tensor, weight_format: str) -> torch.Tensor:
+    if weight_format == "q4_1":
+        return q4_1_blocks.round_to_q4_1(weight)
+    return q4_1_blocks.dequantize_q8_0(*q4_1_blocks.quantize_q8_0(weight))
+
+
+@native
+@pytest.mark.parametrize("weight_format", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("n, k", [(70, 64), (96, 576), (40, 1536)])
+def test_int16_activation_blocks_are_the_blocks_times_the_rounded_activations(n, k, weight_format, isa):
+    """q4_1_a16 / q8_0_a16: the GGUF blocks (GGUF's bytes a weight) times x rounded to int16 per row
+    and group of 32 as `quantize_activations` rounds it; the integer products are exact, so only
+    float summation order separates the kernel from torch. Rows stay independent (every tile shape)."""
+    weight = _gguf_rounded(torch.randn(n, k) * 0.05, weight_format)
+    got_format, blocks = q4_1_blocks.exact_blocks(weight, int16_activations=True)
+    assert got_format == weight_format + "_a16"
+    assert blocks.numel() / (-(-n // 16) * 16 * k) == (34 / 32 if weight_format == "q8_0" else 20 / 32)
+    x = torch.randn(13, k) * torch.logspace(-2, 1, k)  # groups of very different scales
+    y = cpu_kernels.panel_linear(x, blocks, n, got_format)
+    rounded_x = cpu_kernels.dequantize_q8(*cpu_kernels.quantize_activations(x))
+    torch.testing.assert_close(y, rounded_x @ weight.T, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(rounded_x, x)
+    for m in range(1, 13):
+        assert torch.equal(cpu_kernels.panel_linear(x[:m], blocks, n, got_format), y[:m])
+    for i in (0, 6, 12):
+        assert torch.equal(cpu_kernels.panel_linear(x[i:i + 1], blocks, n, got_format)[0], y[i])
+    assert torch.equal(cpu_kernels.linear_wide(x, blocks, n, None, got_format), y)  # prefills take the same kernel
+
+
+@native
+def test_int16_activation_blocks_give_the_same_bits_in_every_build():
+    """The integer dot products are exact with VNNI (vpdpwssd) or without (vpmaddwd + vpaddd), and the
+    fp32 chain over blocks is the same at 8 or 16 floats a vector."""
+    weight = q4_1_blocks.round_to_q4_1(torch.randn(80, 576) * 0.05)
+    got_format, blocks = q4_1_blocks.exact_blocks(weight, int16_activations=True)
+    x = torch.randn(5, 576)
+    results = []
+    for name in cpu_kernels.runnable_isas():
+        lib = cpu_kernels.load(name)
+        results.append(torch.empty(5, 80))
+        lib.panel_linear(x.data_ptr(), 5, 576, blocks.data_ptr(), 80, results[-1].data_ptr(),
+                         cpu_kernels.FORMAT_CODES[got_format])
+    assert results and all(torch.equal(r, results[0]) for r in results)
+
+
 def test_exact_blocks_keep_weights_no_blocks_hold_in_float32():
     weight = torch.randn(48, 64)
     assert q4_1_blocks.exact_blocks(weight)[0] == "float32"
@@ -296,9 +341,30 @@ def test_q4_1_format_is_the_float32_format_bit_for_bit(tiny_pair, tiny_q4_1_mode
 
 
 @native
-def test_q4_1_verification_is_bit_identical_to_decoding(tiny_pair, tiny_q4_1_model, isa):
+def test_q4_1_a16_runs_the_blocks_on_int16_activations(tiny_pair, tiny_q4_1_model, isa):
+    """The same blocks as q4_1 (down stays float32 panels), with activations rounded to int16:
+    close to float32's logits but not equal to them, and a long prefill equals a split one bit
+    for bit (prefills run the decode kernel)."""
     prompt = tiny_pair.encode_prompt("Bit for bit")
-    lm = FastLlamaCausalLM(tiny_q4_1_model, "q4_1", tiny_pair.vocab_size, weight_dtype="q4_1")
+    lm = FastLlamaCausalLM(tiny_q4_1_model, "q4_1_a16", tiny_pair.vocab_size, weight_dtype="q4_1_a16")
+    formats = {name: {getattr(layer, name).format for layer in lm.w.layers} for name in ("qkv", "o", "gate_up", "down")}
+    assert formats == {"qkv": {"q4_1_a16"}, "o": {"q4_1_a16"}, "gate_up": {"q4_1_a16"}, "down": {"float32"}}
+    assert lm.w.lm_head.format == "q8_0_a16"
+    whole = lm.forward(prompt, last_n=len(prompt))
+    reference = FastLlamaCausalLM(tiny_q4_1_model, "q4_1", tiny_pair.vocab_size, weight_dtype="q4_1")
+    want = reference.forward(prompt, last_n=len(prompt))
+    torch.testing.assert_close(whole, want, atol=1e-3, rtol=0)
+    assert not torch.equal(whole, want)
+    lm.reset()
+    lm.forward(prompt[:1])
+    assert torch.equal(lm.forward(prompt[1:], last_n=len(prompt) - 1), whole[1:])
+
+
+@native
+@pytest.mark.parametrize("weight_dtype", ["q4_1", "q4_1_a16"])
+def test_q4_1_verification_is_bit_identical_to_decoding(tiny_pair, tiny_q4_1_model, weight_dtype, isa):
+    prompt = tiny_pair.encode_prompt("Bit for bit")
+    lm = FastLlamaCausalLM(tiny_q4_1_model, weight_dtype, tiny_pair.vocab_size, weight_dtype=weight_dtype)
     lm.forward(prompt)
     together = lm.forward([11, 12, 13, 14, 15, 16, 17, 18, 19], last_n=9)
     lm.rollback(len(prompt))

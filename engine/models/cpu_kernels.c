@@ -64,6 +64,28 @@ static inline vf vpow2(vf n) {  // 2^n for integral n in the float range
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
 static inline vf vclamp(vf x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, vset(lo)), vset(hi)); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vabs(vf x) { return _mm512_abs_ps(x); }
+static inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+static inline void vstore_i16(int16_t *p, vf v) {  // integral floats in the int16 range
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v)));
+}
+// VW int32 lanes: the integer dot products of the int16-activation formats.
+typedef __m512i vi;
+static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
+static inline vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
+static inline vi vi_nibble_pairs(vi line, const int s) {  // nibbles 4s and 4s + 4 of each lane as two int16s
+    return _mm512_and_si512(_mm512_srli_epi32(line, 4 * s), _mm512_set1_epi32(0x000F000F));
+}
+static inline vi vi_i8_pairs(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vi_float(vi v) { return _mm512_cvtepi32_ps(v); }
+static inline vi vi_dot16(vi acc, vi pairs, int32_t x) {  // acc + each lane's two int16 products with x's two
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, pairs, _mm512_set1_epi32(x));
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi32(x)));
+#endif
+}
 #else
 #define VW 8
 typedef __m256 vf;
@@ -97,23 +119,52 @@ static inline vf vpow2(vf n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
 static inline vf vclamp(vf x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, vset(lo)), vset(hi)); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vabs(vf x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+static inline float vhmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline void vstore_i16(int16_t *p, vf v) {
+    const __m256i i = _mm256_cvtps_epi32(v);
+    _mm_storeu_si128((__m128i *)p, _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)));
+}
+typedef __m256i vi;
+static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
+static inline vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi vi_nibble_pairs(vi line, const int s) {
+    return _mm256_and_si256(_mm256_srli_epi32(line, 4 * s), _mm256_set1_epi32(0x000F000F));
+}
+static inline vi vi_i8_pairs(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf vi_float(vi v) { return _mm256_cvtepi32_ps(v); }
+static inline vi vi_dot16(vi acc, vi pairs, int32_t x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi32(x)));
+}
 #endif
 
 // The instruction set this build was compiled for (cpu_kernels.py checks it after loading).
 int kernel_vector_width(void) { return VW; }
 
-// Symmetric int16 per group of 32, scale = max|v| / 32767, for one activation row: 16-bit
-// activations keep the activation rounding error ~250x below the int8 weights' own.
-static void quantize_row(const float *v, int64_t K, int16_t *q, float *scales) {
+// Symmetric int16 per group of 32 for one activation row, as quantize_activations in cpu_kernels.py:
+// scale d = max(max|v| / 32767, 1e-12), q = v / d rounded half to even (torch.round). 16-bit
+// activations keep the activation rounding error ~250x below int8 weights' own. sums (may be
+// NULL): d * sum(q) per group, the term a block's minimum multiplies (the int16-activation formats).
+static void quantize_row(const float *v, int64_t K, int16_t *q, float *scales, float *sums) {
     for (int64_t g = 0; g < K / GROUP; g++) {
-        float amax = 0.0f;
-        for (int i = 0; i < GROUP; i++) {
-            const float a = fabsf(v[g * GROUP + i]);
-            amax = a > amax ? a : amax;
+        const float *vg = v + g * GROUP;
+        vf amax = vzero(), total = vzero();
+        for (int i = 0; i < GROUP; i += VW) amax = vmax(amax, vabs(vload(vg + i)));
+        float d = vhmax(amax) / 32767.0f;
+        d = d > 1e-12f ? d : 1e-12f;
+        for (int i = 0; i < GROUP; i += VW) {
+            const vf r = vround(vdiv(vload(vg + i), vset(d)));
+            vstore_i16(q + g * GROUP + i, r);
+            total = vadd(total, r);  // integers below 2^20: exact
         }
-        const float d = amax > 0.0f ? amax / 32767.0f : 1e-12f;  // as quantize_activations in cpu_kernels.py
         scales[g] = d;
-        for (int i = 0; i < GROUP; i++) q[g * GROUP + i] = (int16_t)lroundf(v[g * GROUP + i] / d);
+        if (sums) sums[g] = d * vsum(total);
     }
 }
 
@@ -154,7 +205,7 @@ void q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const floa
     const int64_t groups = K / GROUP;
     int16_t *xq = malloc(M * K * sizeof(int16_t));
     float *xs = malloc(M * groups * sizeof(float));
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * K, xs + m * groups);
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * K, xs + m * groups, NULL);
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *qn = q + n * K;
@@ -188,6 +239,11 @@ void q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const floa
 //               (channel c's byte: k = 2p in the low nibble, 2p + 1 in the high); w = fma(d, q, m),
 //               which is exactly gguf's float32 (d * q) + m (d * q is exact);
 //   PANEL_Q8_0  GGUF Q8_0 blocks of 32 k: d[16] fp16, then 32 k x 16 int8; w = d * q (exact).
+// and two formats for int16 activations (quantize_row), the same GGUF blocks laid out for integer
+// dot products (a16_tile below):
+//   A16_Q4_1    d[16], m[16], then 4 lines of 64 bytes, each 8 k x 16 channels: channel c's dword
+//               in line g holds q(k = 8 g + j) at bit 16 (j % 2) + 4 (j / 2);
+//   A16_Q8_0    d[16], then 16 pairs of k as 32 bytes: byte 2 c + r holds q(k = 2 p + r) of channel c.
 // For each input k the 16 channels' weights are one panel row (one or two vectors), multiplied by
 // the broadcast x[m][k]: the weights stream front to back and there are no horizontal sums. Every
 // (row, channel) sum is one sequential fp32 chain over k, the same whatever M, the tile, the format
@@ -196,7 +252,8 @@ void q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const floa
 // layout with two partial sums per row it replaced: one row 16.8 -> 13.7 ms, five 27.4 -> 26.0.
 #define PANEL 16
 #define VPP (PANEL / VW)  // vectors per panel row
-enum { PANEL_F16 = 1, PANEL_BF16 = 2, PANEL_F32 = 3, PANEL_Q4_1 = 4, PANEL_Q8_0 = 5 };  // 0 is int8 (q8_linear)
+enum { PANEL_F16 = 1, PANEL_BF16 = 2, PANEL_F32 = 3, PANEL_Q4_1 = 4, PANEL_Q8_0 = 5,  // 0 is int8 (q8_linear)
+       A16_Q4_1 = 6, A16_Q8_0 = 7 };
 #define Q4_1_BLOCK (PANEL * 4 + PANEL * GROUP / 2)  // bytes of one panel's block of 32 k: 320
 #define Q8_0_BLOCK (PANEL * 2 + PANEL * GROUP)      // 544
 #if VW == 16
@@ -210,8 +267,8 @@ enum { PANEL_F16 = 1, PANEL_BF16 = 2, PANEL_F32 = 3, PANEL_Q4_1 = 4, PANEL_Q8_0 
 static inline int64_t panel_bytes(int format, int64_t K) {  // one panel of 16 channels over all K
     switch (format) {
         case PANEL_F32: return K * PANEL * 4;
-        case PANEL_Q4_1: return K / GROUP * Q4_1_BLOCK;
-        case PANEL_Q8_0: return K / GROUP * Q8_0_BLOCK;
+        case PANEL_Q4_1: case A16_Q4_1: return K / GROUP * Q4_1_BLOCK;
+        case PANEL_Q8_0: case A16_Q8_0: return K / GROUP * Q8_0_BLOCK;
         default: return K * PANEL * 2;
     }
 }
@@ -329,10 +386,106 @@ static inline __attribute__((always_inline)) void panel_dispatch(const float *x,
     }
 }
 
-static int panel_group(int64_t rows) {  // panels per tile for a tile of `rows` rows
+// The int16-activation formats: y = sum over blocks of xs (d (q . xq) + m sum(xq)), with x = xs xq
+// per row and block (quantize_row) and w = d q + m (Q4_1; m = 0 for Q8_0). Each block's q . xq is
+// an exact int32 dot product (|.| < 32 * 15 * 32767 < 2^24, so its float is exact too): for one
+// lane (channel) and a pair of k, VNNI's vpdpwssd does the two products and the sum in one
+// instruction (vpmaddwd + vpaddd without VNNI), against 9 vector instructions per 32 weights of
+// one row in the float path. Rows stay independent: a (row, channel) sum is one fp32 chain over the
+// blocks, whatever the tile, the instruction set, or the other rows.
+typedef struct { const int16_t *q; const float *scale, *sum; int64_t K; } Rows16;  // q [M, K]; scale, sum [M, K/32]
 #if VW == 16
+#define A16_TILE_ROWS 8
+#else
+#define A16_TILE_ROWS 3
+#endif
+
+static inline int32_t x_pair(const Rows16 *x, int64_t row, int64_t k) {  // xq[row][k], xq[row][k + 1] as one dword
+    int32_t v;
+    memcpy(&v, x->q + row * x->K + k, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void a16_tile(const Rows16 *x, int64_t m0, const char *w, int64_t stride,
+                                                           float *y, int64_t ldy, const int rows, const int panels,
+                                                           const int format) {
+    const int64_t groups = x->K / GROUP, block = format == A16_Q4_1 ? Q4_1_BLOCK : Q8_0_BLOCK;
+    vf acc[A16_TILE_ROWS][4][VPP];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < panels; j++)
+            for (int i = 0; i < VPP; i++) acc[m][j][i] = vzero();
+    for (int64_t b = 0; b < groups; b++) {
+        vi dot[A16_TILE_ROWS][4][VPP];
+        for (int m = 0; m < rows; m++)
+            for (int j = 0; j < panels; j++)
+                for (int i = 0; i < VPP; i++) dot[m][j][i] = vi_zero();
+        if (format == A16_Q4_1) {
+            for (int g = 0; g < 4; g++)
+                for (int j = 0; j < panels; j++) {
+                    const char *line = w + j * stride + b * block + 4 * PANEL + g * 64;
+                    _mm_prefetch(line + 1024, _MM_HINT_T0);
+                    for (int i = 0; i < VPP; i++) {
+                        const vi packed = vi_load(line + i * VW * 4);
+                        for (int s = 0; s < 4; s++) {
+                            const vi pairs = vi_nibble_pairs(packed, s);
+                            for (int m = 0; m < rows; m++)
+                                dot[m][j][i] = vi_dot16(dot[m][j][i], pairs, x_pair(x, m0 + m, b * GROUP + 8 * g + 2 * s));
+                        }
+                    }
+                }
+        } else {
+            for (int p = 0; p < GROUP / 2; p++)
+                for (int j = 0; j < panels; j++) {
+                    const char *pair = w + j * stride + b * block + 2 * PANEL + p * 2 * PANEL;
+                    if (p % 2 == 0) _mm_prefetch(pair + 1024, _MM_HINT_T0);
+                    for (int i = 0; i < VPP; i++) {
+                        const vi pairs = vi_i8_pairs((const int8_t *)pair + i * 2 * VW);
+                        for (int m = 0; m < rows; m++)
+                            dot[m][j][i] = vi_dot16(dot[m][j][i], pairs, x_pair(x, m0 + m, b * GROUP + 2 * p));
+                    }
+                }
+        }
+        for (int j = 0; j < panels; j++) {
+            const uint16_t *scales = (const uint16_t *)(w + j * stride + b * block);
+            for (int i = 0; i < VPP; i++) {
+                const vf d = vf16(scales + i * VW);
+                const vf mn = format == A16_Q4_1 ? vf16(scales + PANEL + i * VW) : vzero();
+                for (int m = 0; m < rows; m++) {
+                    const int64_t at = (m0 + m) * groups + b;
+                    acc[m][j][i] = vfma(vi_float(dot[m][j][i]), vmul(d, vset(x->scale[at])), acc[m][j][i]);
+                    if (format == A16_Q4_1) acc[m][j][i] = vfma(vset(x->sum[at]), mn, acc[m][j][i]);
+                }
+            }
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < panels; j++)
+            for (int i = 0; i < VPP; i++) vstore(y + m * ldy + j * PANEL + i * VW, acc[m][j][i]);
+}
+
+// Tiles of the int16-activation formats hold an int32 and an fp32 accumulator per (row, panel
+// vector): AVX-512 4 panels for one row, 2 for 2-4 rows, 1 for 5-8; AVX2 2 panels for one row, 1 for 2-3.
+#define A16_CASE(R, P) case R * 8 + P: a16_tile(x, m0, w, stride, y, ldy, R, P, format); break
+static inline __attribute__((always_inline)) void a16_dispatch(const Rows16 *x, int64_t m0, const char *w,
+                                                               int64_t stride, float *y, int64_t ldy, int rows,
+                                                               int panels, const int format) {
+    switch (rows * 8 + panels) {
+        A16_CASE(1, 1); A16_CASE(1, 2); A16_CASE(2, 1); A16_CASE(3, 1);
+#if VW == 16
+        A16_CASE(1, 3); A16_CASE(1, 4); A16_CASE(2, 2); A16_CASE(3, 2); A16_CASE(4, 1); A16_CASE(4, 2);
+        A16_CASE(5, 1); A16_CASE(6, 1); A16_CASE(7, 1); default: a16_tile(x, m0, w, stride, y, ldy, 8, 1, format); break;
+#else
+        default: a16_tile(x, m0, w, stride, y, ldy, 3, 1, format); break;
+#endif
+    }
+}
+
+static int panel_group(int64_t rows, int a16) {  // panels per tile for a tile of `rows` rows
+#if VW == 16
+    if (a16) return rows == 1 ? 4 : rows <= 4 ? 2 : 1;
     return rows <= 2 ? 3 : 2;
 #else
+    if (a16) return rows == 1 ? 2 : 1;
     return rows == 1 ? 3 : rows == 2 ? 2 : 1;
 #endif
 }
@@ -340,14 +493,25 @@ static int panel_group(int64_t rows) {  // panels per tile for a tile of `rows` 
 // x [M, K] float32, w: ceil(N/16) panels in `format`, y [M, N]. Each thread takes a contiguous run
 // of panels (an even split: the default target's 36-panel GEMMs would leave one thread a third
 // more work in whole tiles), cut into tiles; the rows are split evenly into tiles (9 -> 5 + 4).
+// The int16-activation formats quantize the rows first (one thread: a few microseconds).
 void panel_linear(const float *x, int64_t M, int64_t K, const void *w, int64_t N, float *y, int format) {
+    const int a16 = format == A16_Q4_1 || format == A16_Q8_0;
     const int64_t panels = (N + PANEL - 1) / PANEL, stride = panel_bytes(format, K);
-    const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t tiles = (M + (a16 ? A16_TILE_ROWS : TILE_ROWS) - 1) / (a16 ? A16_TILE_ROWS : TILE_ROWS);
+    int16_t *xq = NULL;
+    float *xs = NULL, *xsum = NULL;
+    if (a16) {
+        xq = malloc(M * K * sizeof(int16_t));
+        xs = malloc(2 * M * (K / GROUP) * sizeof(float));
+        xsum = xs + M * (K / GROUP);
+        for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * K, xs + m * (K / GROUP), xsum + m * (K / GROUP));
+    }
+    const Rows16 x16 = {xq, xs, xsum, K};
     #pragma omp parallel
     {
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t first = panels * t / threads, last = panels * (t + 1) / threads;
-        const int group = panel_group(M / tiles);  // the same for every tile: their rows differ by at most 1
+        const int group = panel_group((M + tiles - 1) / tiles, a16);  // for every tile: the largest has these rows
         for (int64_t p0 = first; p0 < last; p0 += group) {
             const int np = last - p0 < group ? (int)(last - p0) : group;
             const int full = (p0 + np) * PANEL <= N;
@@ -363,6 +527,8 @@ void panel_linear(const float *x, int64_t M, int64_t K, const void *w, int64_t N
                     case PANEL_BF16: panel_dispatch(xm, K, wp, stride, out, ldy, rows, np, PANEL_BF16); break;
                     case PANEL_Q4_1: panel_dispatch(xm, K, wp, stride, out, ldy, rows, np, PANEL_Q4_1); break;
                     case PANEL_Q8_0: panel_dispatch(xm, K, wp, stride, out, ldy, rows, np, PANEL_Q8_0); break;
+                    case A16_Q4_1: a16_dispatch(&x16, m0, wp, stride, out, ldy, rows, np, A16_Q4_1); break;
+                    case A16_Q8_0: a16_dispatch(&x16, m0, wp, stride, out, ldy, rows, np, A16_Q8_0); break;
                     default: panel_dispatch(xm, K, wp, stride, out, ldy, rows, np, PANEL_F16); break;
                 }
                 if (!full)  // the last panel is zero-padded past N: keep its real channels only
@@ -372,6 +538,8 @@ void panel_linear(const float *x, int64_t M, int64_t K, const void *w, int64_t N
             }
         }
     }
+    free(xq);
+    free(xs);
 }
 
 // linear_wide: the same products for prefills of the weights whose widening is worth amortising
@@ -467,11 +635,12 @@ static inline __attribute__((always_inline)) void wide_tile(const float *x, int6
 #define WIDE_CASE(R) case R: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, R); break
 // x [M, K] float32, w (format 0: int8 [N, K] with scales [N, K/32]; else panels as panel_linear),
 // y [M, N]; K % 32 == 0. fp32 and bf16 panels need no conversion worth amortising, so they stay on
-// panel_linear (measured on Zen 1: 0.83-0.94x and 0.95-1.03x its speed at 30-120 rows), as does an
-// N that is not a multiple of the panel width.
+// panel_linear (measured on Zen 1: 0.83-0.94x and 0.95-1.03x its speed at 30-120 rows), as do the
+// int16-activation formats (their integer products are their rounding: a float GEMM would differ)
+// and an N that is not a multiple of the panel width.
 void linear_wide(const float *x, int64_t M, int64_t K, const void *w, const float *scales, int format, int64_t N,
                  float *y) {
-    if (N % PANEL || format == PANEL_F32 || format == PANEL_BF16) {
+    if (N % PANEL || format == PANEL_F32 || format == PANEL_BF16 || format == A16_Q4_1 || format == A16_Q8_0) {
         if (format == 0) q8_linear(x, M, K, w, scales, N, y);
         else panel_linear(x, M, K, w, N, y, format);
         return;

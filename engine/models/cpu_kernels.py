@@ -9,9 +9,9 @@ One source, one build per instruction set (`ISAS`): the machines this project ru
 Zen 1 (AVX2 only) to Xeons with AVX-512, and a kernel built for the wider vectors dies with
 "Illegal instruction" on the narrower CPU. `selected_isa()` picks the widest set whose flags the
 kernel reports in /proc/cpuinfo (flags the OS has not enabled are not listed there);
-`SPECPLAY_KERNEL_ISA=avx2` forces a narrower one. AMX and AVX512-FP16 variants would be further
-entries of `ISAS` with their own code paths in cpu_kernels.c; none is written yet (no machine to
-test them on).
+`SPECPLAY_KERNEL_ISA=avx2` forces a narrower one. The "avx512vnni" build differs from "avx512"
+only in the int16-activation formats' dot products (vpdpwssd instead of vpmaddwd + vpaddd: the same
+integers). AMX and AVX512-FP16 variants would be further entries of `ISAS`; none is written yet.
 
 Everything here is optional: `available()` is False without a C compiler or without AVX2/FMA/F16C, and
 callers then fall back to plain torch ops (and, for float16 GEMMs, fbgemm).
@@ -46,9 +46,11 @@ WIDE_MIN_ROWS = 24
 # panels, nothing to widen) on to `panel_linear`.
 WIDE_FORMATS = ("float16", "int8", "q4_1")
 # Storage formats of one GEMM's weights, as cpu_kernels.c's codes: int8 is Q8_0 rows for int16
-# activations (`quantize_q8`); the others are 16-channel panels for fp32 activations (`pack_panels`,
-# and engine.models.q4_1_blocks for GGUF's Q4_1 and Q8_0 blocks).
-FORMAT_CODES = {"int8": 0, "float16": 1, "bfloat16": 2, "float32": 3, "q4_1": 4, "q8_0": 5}
+# activations (`quantize_q8`); float16 to q8_0 are 16-channel panels for fp32 activations
+# (`pack_panels`, and engine.models.q4_1_blocks for GGUF's Q4_1 and Q8_0 blocks); the *_a16 formats
+# are those GGUF blocks in panels laid out for integer dot products with int16 activations.
+FORMAT_CODES = {"int8": 0, "float16": 1, "bfloat16": 2, "float32": 3, "q4_1": 4, "q8_0": 5, "q4_1_a16": 6,
+                "q8_0_a16": 7}
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 
@@ -63,10 +65,12 @@ class ISA:
     vector_width: int
 
 
+_AVX512 = ISA(frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+              ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+               "-mprefer-vector-width=512"), 16)
 ISAS = {  # widest first
-    "avx512": ISA(frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
-                  ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                   "-mprefer-vector-width=512"), 16),
+    "avx512vnni": ISA(_AVX512.cpu_flags | {"avx512_vnni"}, (*_AVX512.compiler_flags, "-mavx512vnni"), 16),
+    "avx512": _AVX512,
     "avx2": ISA(frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"), 8),
 }
 

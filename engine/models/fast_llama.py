@@ -48,7 +48,8 @@ from transformers import PreTrainedModel
 from engine.models import cpu_kernels, huge_pages, q4_1_blocks
 from engine.models.causal_lm import CausalLM
 
-WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8", "q4_1")
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8", "q4_1", "q4_1_a16")
+_GGUF_BLOCK_DTYPES = ("q4_1", "q4_1_a16")  # formats that look for a model's GGUF blocks (q4_1_blocks)
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq does not change with length
 
 
@@ -99,6 +100,9 @@ class PackedLinear:
     int8     llama.cpp's Q8_0 weights (int8 per group of 32) x int16 activations (per row and
              group, so a row's result never depends on the other rows), exact integer group sums,
              float32 accumulation across groups.
+    q4_1_a16 q4_1's blocks against int16 activations as int8 has them: exact integer products
+             (VNNI's vpdpwssd where the CPU has it), so the activations' rounding is its only
+             difference from q4_1 (the fallback without the kernels is q4_1's).
     A prefill (`prefill=True`) runs through `cpu_kernels.linear_wide` instead. Without the
     kernels: float32 and q4_1 on oneDNN with a prepacked float32 weight, both 16-bit formats on
     fbgemm's fp16 GEMM (bf16 values in fp16's range are exact in fp16), int8 in torch.
@@ -117,11 +121,11 @@ class PackedLinear:
         weight = weight.detach().float().contiguous()
         if dtype == "int8":
             self.weight, self.scales = cpu_kernels.quantize_q8(weight)
-        elif self.native and dtype == "q4_1":
-            self.format, self.weight = q4_1_blocks.exact_blocks(weight)
+        elif self.native and dtype in _GGUF_BLOCK_DTYPES:
+            self.format, self.weight = q4_1_blocks.exact_blocks(weight, int16_activations=dtype == "q4_1_a16")
         elif self.native:
             self.weight = cpu_kernels.pack_panels(weight, self._PANEL_DTYPES[dtype])
-        elif dtype in ("float32", "q4_1"):
+        elif dtype in ("float32", *_GGUF_BLOCK_DTYPES):
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if _ONEDNN_FP32 else weight
         else:
             rounded = weight.to(self._PANEL_DTYPES[dtype]).float()
@@ -135,9 +139,9 @@ class PackedLinear:
             return cpu_kernels.q8_linear(x, self.weight, self.scales)
         if self.native:
             return cpu_kernels.panel_linear(x, self.weight, self.out_features, self.format)
-        if self.dtype in ("float32", "q4_1") and _ONEDNN_FP32:
+        if self.dtype in ("float32", *_GGUF_BLOCK_DTYPES) and _ONEDNN_FP32:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        if self.dtype not in ("float32", "q4_1") and _FBGEMM_FP16:
+        if self.dtype not in ("float32", *_GGUF_BLOCK_DTYPES) and _FBGEMM_FP16:
             return torch.ops.quantized.linear_dynamic_fp16(x, self.weight)
         return F.linear(x, self.weight)
 

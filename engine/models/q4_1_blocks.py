@@ -73,18 +73,46 @@ def pack_q8_0(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.cat([_panel_scales(d), values.reshape(n // PANEL, k // GROUP, -1)], -1).contiguous()
 
 
-def exact_blocks(weight: torch.Tensor) -> tuple[str, torch.Tensor]:
+# Where channel c's q(k = 8 g + j) sits in its dword of line g, for the int16-activation layout:
+# the two k of a pair (j = 2 s, 2 s + 1) in the two 16-bit halves, so one shift and one mask give the
+# int16 pairs vpdpwssd multiplies with the activations' (x[k], x[k + 1]).
+_A16_SHIFTS = torch.tensor([16 * (j % 2) + 4 * (j // 2) for j in range(8)], dtype=torch.int64)
+
+
+def pack_q4_1_a16(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks (N % PANEL == 0) -> uint8 [N / PANEL, K / GROUP, 320] for int16 activations: per panel
+    and block d[16], m[16], then 4 lines of 16 little-endian dwords (dword c of line g: channel c's
+    q(k = 8 g + j) at bit `_A16_SHIFTS[j]`)."""
+    n, k = q.shape
+    eights = q.view(n // PANEL, PANEL, k // GROUP, 4, 8).to(torch.int64)  # [panel, channel, block, line, j]
+    dwords = (eights << _A16_SHIFTS).sum(-1).permute(0, 2, 3, 1)  # [panel, block, line, channel] < 2^32
+    lines = (dwords - (dwords >> 31 << 32)).to(torch.int32).contiguous().view(torch.uint8)  # the same bits
+    return torch.cat([_panel_scales(d), _panel_scales(m), lines.reshape(n // PANEL, k // GROUP, -1)], -1).contiguous()
+
+
+def pack_q8_0_a16(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks (N % PANEL == 0) -> uint8 [N / PANEL, K / GROUP, 544] for int16 activations: d[16],
+    then 16 pairs of k as 32 bytes (byte 2 c + r: q(k = 2 p + r) of channel c)."""
+    n, k = q.shape
+    pairs = q.view(n // PANEL, PANEL, k // GROUP, GROUP // 2, 2).permute(0, 2, 3, 1, 4)  # [panel, block, p, c, r]
+    values = pairs.contiguous().view(torch.uint8).reshape(n // PANEL, k // GROUP, -1)
+    return torch.cat([_panel_scales(d), values], -1).contiguous()
+
+
+def exact_blocks(weight: torch.Tensor, int16_activations: bool = False) -> tuple[str, torch.Tensor]:
     """float weight [N, K] -> (format, panels) for `cpu_kernels.panel_linear`: "q4_1" or "q8_0" blocks
     where they reproduce every weight bit for bit (K and N zero-padded as `pack_panels`), else
-    "float32" panels."""
+    "float32" panels. `int16_activations`: the same blocks laid out for int16 activations
+    ("q4_1_a16", "q8_0_a16"; products exact in integers, the activations' rounding the only change)."""
     w = pad_to_group(weight.detach().float())
     w = F.pad(w, (0, 0, 0, -w.shape[0] % PANEL))
+    suffix = "_a16" if int16_activations else ""
     d, m, q = quantize_q4_1(w)
     if torch.equal(dequantize_q4_1(d, m, q), w):
-        return "q4_1", pack_q4_1(d, m, q)
+        return "q4_1" + suffix, (pack_q4_1_a16 if int16_activations else pack_q4_1)(d, m, q)
     d, q = quantize_q8_0(w)
     if torch.equal(dequantize_q8_0(d, q), w):
-        return "q8_0", pack_q8_0(d, q)
+        return "q8_0" + suffix, (pack_q8_0_a16 if int16_activations else pack_q8_0)(d, q)
     return "float32", pack_panels(weight, torch.float32)
 
 

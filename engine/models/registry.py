@@ -42,7 +42,7 @@ DEFAULT_FAST_WEIGHTS = "q4_1"
 # panels keep every row's result independent of the batch, which the draft's incremental state
 # relies on); the head is the target's tied embedding and keeps the target's format (its exact
 # Q8_0 blocks under q4_1). Acceptance is unchanged within noise (assets/FAST_BACKEND.md).
-DRAFT_WEIGHTS = {"q4_1": "bfloat16"}
+DRAFT_WEIGHTS = {"q4_1": "bfloat16", "q4_1_a16": "bfloat16"}
 # The default pair's draft: a feature-level (EAGLE-style) draft distilled from the target by
 # `python -m engine.distill`; its model card is assets/DEFAULT_DRAFT.md.
 DEFAULT_DRAFT_FILE = Path(__file__).resolve().parents[2] / "assets" / "default_draft.safetensors"
