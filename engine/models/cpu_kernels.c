@@ -332,16 +332,28 @@ static inline __attribute__((always_inline)) void panel_pair(const char *pw, int
     }
 }
 
-static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t K, const char *w, int64_t stride,
-                                                             float *y, int64_t ldy, const int rows, const int panels,
-                                                             const int format) {
-    vf acc[TILE_ROWS][TILE_PANELS][VPP];
-    // Prefetch a line per 64 bytes streamed, about 1 KB ahead: every 4th pair of k in Q4_1 (16 bytes
-    // a pair), every other in Q8_0, every pair in fp16/bf16, and two lines a pair in fp32.
-    const int every = format == PANEL_Q4_1 ? 4 : format == PANEL_Q8_0 ? 2 : 1;
+// A tile's accumulators: rows x panels x VPP vectors, zeroed, then stored to y (row stride ldy).
+typedef vf Tile[TILE_ROWS][TILE_PANELS][VPP];
+static inline __attribute__((always_inline)) void zero_tile(Tile acc, const int rows, const int panels) {
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < panels; j++)
             for (int i = 0; i < VPP; i++) acc[m][j][i] = vzero();
+}
+static inline __attribute__((always_inline)) void store_tile(Tile acc, float *y, int64_t ldy, const int rows,
+                                                             const int panels) {
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < panels; j++)
+            for (int i = 0; i < VPP; i++) vstore(y + m * ldy + j * PANEL + i * VW, acc[m][j][i]);
+}
+
+static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t K, const char *w, int64_t stride,
+                                                             float *y, int64_t ldy, const int rows, const int panels,
+                                                             const int format) {
+    Tile acc;
+    // Prefetch a line per 64 bytes streamed, about 1 KB ahead: every 4th pair of k in Q4_1 (16 bytes
+    // a pair), every other in Q8_0, every pair in fp16/bf16, and two lines a pair in fp32.
+    const int every = format == PANEL_Q4_1 ? 4 : format == PANEL_Q8_0 ? 2 : 1;
+    zero_tile(acc, rows, panels);
     for (int64_t b = 0; b < K / GROUP; b++) {
         vf d[TILE_PANELS][VPP], mn[TILE_PANELS][VPP];
         for (int j = 0; j < panels; j++) panel_scales(w + j * stride, b, format, d[j], mn[j]);
@@ -363,9 +375,7 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
             }
         }
     }
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < panels; j++)
-            for (int i = 0; i < VPP; i++) vstore(y + m * ldy + j * PANEL + i * VW, acc[m][j][i]);
+    store_tile(acc, y, ldy, rows, panels);
 }
 
 // Tiles keep >= 6 FMA chains in flight (FMA latency 4-5) where the registers allow: AVX2 (16
@@ -410,12 +420,10 @@ static inline __attribute__((always_inline)) void a16_tile(const Rows16 *x, int6
                                                            float *y, int64_t ldy, const int rows, const int panels,
                                                            const int format) {
     const int64_t groups = x->K / GROUP, block = format == A16_Q4_1 ? Q4_1_BLOCK : Q8_0_BLOCK;
-    vf acc[A16_TILE_ROWS][4][VPP];
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < panels; j++)
-            for (int i = 0; i < VPP; i++) acc[m][j][i] = vzero();
+    Tile acc;
+    zero_tile(acc, rows, panels);
     for (int64_t b = 0; b < groups; b++) {
-        vi dot[A16_TILE_ROWS][4][VPP];
+        vi dot[A16_TILE_ROWS][TILE_PANELS][VPP];
         for (int m = 0; m < rows; m++)
             for (int j = 0; j < panels; j++)
                 for (int i = 0; i < VPP; i++) dot[m][j][i] = vi_zero();
@@ -458,9 +466,7 @@ static inline __attribute__((always_inline)) void a16_tile(const Rows16 *x, int6
             }
         }
     }
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < panels; j++)
-            for (int i = 0; i < VPP; i++) vstore(y + m * ldy + j * PANEL + i * VW, acc[m][j][i]);
+    store_tile(acc, y, ldy, rows, panels);
 }
 
 // Tiles of the int16-activation formats hold an int32 and an fp32 accumulator per (row, panel
