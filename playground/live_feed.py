@@ -232,7 +232,6 @@ PAGE_JS = """
   let previews = {};
   const preview = (id, s) => {
     const p = previews[id] = previews[id] || {points: [], marks: []};
-    if (s.from !== p.points.length) p.points.length = Math.min(p.points.length, s.from);  // (never: points only grow)
     p.points.push(...s.points);
     if (s.title !== undefined) Object.assign(p, {title: s.title, x: s.x, y: s.y, reference: s.reference, marks: s.marks});
     draw(id, p);

@@ -80,7 +80,7 @@ class _Row:
     lookup: tuple[int, int] | None = None  # the outcome the last request asked the worker's cache for
     drafted_here: bool = False  # a local round since the last request: the worker's cache is stale
     served_length: int = 0  # length of the speculation the worker served last (before any cut)
-    hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # all target features (for a degrade)
+    hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # all target features (local drafts)
     unsent_hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     reserved: int = 0  # uniforms the worker draws for the speculation in flight (SeqRequest.reserved)
     index: int = 0  # the row's place in the batch (and in the engine's pools of targets and drafters)
