@@ -14,7 +14,7 @@ from engine.decoding import generate
 from engine.events import FinishEvent, RoundEvent, SSDRoundEvent, StartEvent, TokenEvent, WorkerEvent
 from engine.sampling import SamplingParams, logits_to_probs
 from engine.ssd.ssd_decoding import SSDEngine, WorkerLost
-from engine.ssd.worker import WorkerInfo, _serve
+from engine.ssd.worker import RoundRequest, WorkerInfo, _serve
 from tests.stats import matches
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="SSD needs two cores")
@@ -370,12 +370,15 @@ def test_a_feature_draft_at_k_1_drafts_in_the_target_process_and_says_why(defaul
 def test_k_changed_live_between_local_and_worker_rounds_keeps_the_greedy_text(default_pair):
     """K 1 -> 3 -> 1 -> 2 mid-run: rounds drafted here and rounds served by the worker alternate. The
     worker catches up on every token and feature of the local rounds and never looks its stale
-    cache up for them; greedy, the text is AR's throughout."""
+    cache up for them, nor takes the time they spanned for one round's window; greedy, the text is
+    AR's throughout."""
     prompt = default_pair.encode_prompt("Write a short story about a lighthouse keeper.")
     cfg = SpecConfig(max_new_tokens=48, temperature=0.0, num_speculative_tokens=1, ssd_fanout=4)
     schedule = {3: 3, 8: 1, 12: 2}  # round index -> K from the next round on
     sources = []
     with SSDEngine(default_pair, target_device="cpu:0", draft_device="cpu:1") as eng:
+        requests, send = [], eng._send
+        eng._send = lambda msg: (requests.append(msg), send(msg))[1]
         events = []
         for event in eng.generate([prompt], cfg):
             events.append(event)
@@ -389,6 +392,8 @@ def test_k_changed_live_between_local_and_worker_rounds_keeps_the_greedy_text(de
     after_local = [lookup for (_, s, lookup), (_, before, _) in zip(sources[1:], sources)
                    if before == "local" and s != "local"]
     assert after_local and all(lookup is None for lookup in after_local)
+    flags = [msg.after_local for msg in requests if isinstance(msg, RoundRequest)]
+    assert sum(flags) == len(after_local) and len(flags) == sum(s != "local" for s in kinds)
 
 
 @pytest.mark.slow

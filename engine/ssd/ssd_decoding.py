@@ -453,10 +453,11 @@ class SSDEngine:
         fanouts = tuple(planner.plan(cfg.ssd_fanout_mode, cfg.ssd_cache_budget, k, cfg.ssd_power_r))
         active = [r for r in rows if r.finished is None]
         backup = resolve_backup(cfg.ssd_backup, len(active), ssd.rates())
+        after_local = any(r.drafted_here for r in active)
         items = [self._request(r, cfg) if r.finished is None else None for r in rows]
         try:
             self._send(RoundRequest(k, cfg.sampling, fanouts, float(cfg.downweight_c), backup, self.pair.vocab_size,
-                                    items, time.perf_counter(), self.fill_to_verify))
+                                    items, time.perf_counter(), self.fill_to_verify, after_local))
         except WorkerLost as err:
             return False, None, [WorkerEvent("degraded", f"{err}; finishing with synchronous drafting in the target "
                                              "process", self.devices())]

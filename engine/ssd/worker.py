@@ -111,6 +111,9 @@ class RoundRequest:
     items: list[SeqRequest | None]  # None: the sequence finished
     sent_at: float = 0.0  # perf_counter when the main process sent it (one clock for both processes)
     fill_to_verify: bool = True  # size the fill to the measured window (False: the released engine's full fill)
+    # Rounds were drafted in the target process since the previous request: the time since the last
+    # reply spans them, so it is no measure of one round's window (the estimate keeps its value).
+    after_local: bool = False
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,7 @@ def _serve(spec: DrafterSpec, device: DeviceSpec, first: Drafter, conn: Connecti
                 seqs.append(_Sequence(drafters[i], torch.Generator().manual_seed(msg.seed + 7919 * (i + 1)),
                                       UniformStream(msg.seed + i)))
             continue
-        if replied is not None and msg.sent_at > replied:
+        if replied is not None and msg.sent_at > replied and not msg.after_local:
             sizer.observe_window(msg.sent_at - replied)
         start = time.perf_counter()
         replies = [None if item is None else _serve_one(seq, item, msg, sizer) for seq, item in zip(seqs, msg.items)]
