@@ -34,8 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=None, help="engine jobs at once (default: Limits)")
     ap.add_argument("--drafter", default="model", choices=DRAFTER_KINDS)
     ap.add_argument("--weights", default=DEFAULT_FAST_WEIGHTS, choices=WEIGHT_DTYPES,
-                    help="weight format of the fast CPU backend (default q4_1: the GGUF's own blocks, float32's "
-                    "logits bit for bit), see assets/FAST_BACKEND.md")
+                    help="weight format of the fast CPU backend (default q4_1_a16: the GGUF's own blocks on int16 "
+                    "activations; q4_1: the same blocks, float32's logits bit for bit), see assets/FAST_BACKEND.md")
     ap.add_argument("--cli", action="store_true", help="terminal preview instead of the browser playground")
     ap.add_argument("--method", default="sps", choices=DECODE_METHODS, help="--cli only")
     ap.add_argument("--prompt", default="Write a short poem about the sea.", help="--cli only")

@@ -164,3 +164,31 @@ def test_default_target_q4_1_is_float32_bit_for_bit_on_held_out_prompts():
         q4.reset()
         f32.reset()
         assert _greedy(q4, prompt, 24) == _greedy(f32, prompt, 24)
+
+
+@pytest.mark.slow
+def test_default_target_q4_1_a16_stays_within_activation_rounding_of_float32():
+    """The default format: the same GGUF blocks on int16 activations. Held-out prompts: every logit
+    within 0.05 of float32's (they span about 30), the mean KL(float32 || q4_1_a16) below 1e-6 (bfloat16:
+    ~5e-5), and the same 24 greedy tokens."""
+    import json
+    from pathlib import Path
+
+    pair = load_pair("default")
+    a16 = FastLlamaCausalLM(pair.target_model, "q4_1_a16", pair.vocab_size, weight_dtype="q4_1_a16")
+    assert {getattr(layer, name).format for layer in a16.w.layers
+            for name in ("qkv", "o", "gate_up", "down")} == {"q4_1_a16"}
+    assert a16.w.lm_head.format == "q8_0_a16"
+    f32 = FastLlamaCausalLM(pair.target_model, "float32", pair.vocab_size, weight_dtype="float32")
+    prompts = json.loads((Path(__file__).parents[1] / "assets" / "prompts.json").read_text())["prompts"]
+    for text in [p["text"] for p in prompts[:4]]:
+        prompt = pair.encode_prompt(text)
+        a16.reset()
+        f32.reset()
+        got, want = a16.forward(prompt, last_n=len(prompt)), f32.forward(prompt, last_n=len(prompt))
+        assert (got - want).abs().max() < 0.05 and not torch.equal(got, want)
+        kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="none")
+        assert kl.sum(-1).mean() < 1e-6
+        a16.reset()
+        f32.reset()
+        assert _greedy(a16, prompt, 24) == _greedy(f32, prompt, 24)

@@ -29,13 +29,15 @@ PAIRS = ("default", "tiny")
 # self / self-int8: the target drafting for itself (a sanity check / the quantized self-draft).
 DRAFTER_KINDS = ("model", "model-full-vocab", "ngram", "self", "self-int8")
 BACKENDS = ("auto", "transformers", "fast")
-# The GGUF's own Q4_1 / Q8_0 blocks on our native kernels (fp32 activations): the float32 reference
-# bit for bit (the embedded target's weights are those blocks dequantised) from a sixth of its bytes,
-# so the fastest format here to decode (5.9 against bf16's 9.9 ms a token, AVX-512 Zen 4) and as
-# fast to verify 5 tokens; a model without such blocks keeps float32 weights in it. Measured in
-# assets/FAST_BACKEND.md.
-DEFAULT_FAST_WEIGHTS = "q4_1"
-# A trained draft has no GGUF blocks, so under q4_1 its layer and fc would keep float32 weights:
+# The GGUF's own Q4_1 / Q8_0 blocks on our native kernels, against activations rounded to int16 per
+# row and group of 32 (exact integer products; VNNI where the CPU has it). The fastest format to
+# decode and verify on every CPU measured (Intel Xeon, AVX-512 VNNI: 7.5 against q4_1's 10.8 ms a
+# token, 13.1 against 18.1 for 5 rows; its AVX2 build 8.7 against 12.4), at a KL against the float32
+# reference of 5.6e-08 (bfloat16: 4.6e-05) and the same greedy tokens (tested). `q4_1` keeps the
+# float32 reference bit for bit (fp32 activations) at 1.3-1.4x the time. A model without such blocks
+# keeps float32 weights in either. Measured in assets/FAST_BACKEND.md.
+DEFAULT_FAST_WEIGHTS = "q4_1_a16"
+# A trained draft has no GGUF blocks, so under q4_1(_a16) its layer and fc would keep float32 weights:
 # 16.8 MB a draft step for the default pair's draft, a sixth of the target's 96 MB from a thirtieth
 # of its layers. A draft needs no reference to match (every rule verifies a token against the D it
 # was drawn from, so SpS stays exact for any draft), so they take bfloat16 instead (8.4 MB; its
