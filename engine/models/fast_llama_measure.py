@@ -13,6 +13,9 @@ Prefill: a prompt of 30 / 60 / 120 tokens into an empty cache, with the prefill 
 decode kernels, interleaved; for the formats it serves (`cpu_kernels.WIDE_FORMATS`).
 Quality: each weight format is teacher-forced along fast-float32's greedy continuation of a few
 prompts; we report top-1 agreement with float32 and the mean KL(float32 || format) per position.
+`--bandwidth`: this machine's memory read bandwidth (torch's sum over 1 GB, the threads given),
+and for each format the bytes a decode step streams (every GEMM's packed weights and the head)
+divided by it: the time a decode would take if it did nothing but read its weights.
 """
 
 from __future__ import annotations
@@ -56,6 +59,26 @@ class _LlamaCpp:
 
 
 SMALL_PAGES = " on 4 KB pages"
+
+
+def read_bandwidth(reps: int = 7) -> float:
+    """Bytes a second that torch's sum reads from a 1 GB float32 tensor (far beyond any L3), median."""
+    data = torch.ones(2**28)
+    data.sum()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return data.numel() * data.element_size() / statistics.median(times)
+
+
+def decode_bytes(pair, weight_dtype: str) -> int:
+    """The packed weight bytes one decode step reads: every layer's GEMMs (weights and scales) and the head."""
+    weights = fast_weights(pair.target_model, weight_dtype)
+    linears = [getattr(layer, name) for layer in weights.layers for name in cpu_kernels.NativeDecoder.GEMMS]
+    return sum(t.numel() * t.element_size() for lin in [*linears, weights.lm_head]
+               for t in (lin.weight, lin.scales) if isinstance(t, torch.Tensor))
 
 
 def _make(pair, backend: str):
@@ -161,6 +184,8 @@ def main() -> None:
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's row (needs llama-cpp-python)")
     parser.add_argument("--small-pages", action="store_true",
                         help="add a row per format with the weights on 4 KB pages instead of the 2 MB arenas")
+    parser.add_argument("--bandwidth", action="store_true",
+                        help="measure the memory read bandwidth and each format's decode time at that bound")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     formats = args.formats.split(",")
@@ -182,6 +207,15 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for b, (one, five) in speed.items():
         print(f"| {b} | {one:.1f} | {five:.1f} | {five / one:.2f} | {base / one:.2f}x |")
+
+    if args.bandwidth:
+        bandwidth = read_bandwidth()
+        print(f"\nmemory read bandwidth: {bandwidth / 1e9:.1f} GB/s (torch sum over 1 GB, {args.threads} threads)")
+        print("| format | bytes a decode step reads (MB) | at that bandwidth (ms) | measured decode / bound |")
+        print("|---|---|---|---|")
+        for f in formats:
+            bound = decode_bytes(pair, f) / bandwidth * 1e3
+            print(f"| {f} | {decode_bytes(pair, f) / 1e6:.1f} | {bound:.2f} | {speed[f][0] / bound:.2f} |")
 
     native = [f for f in formats if f in cpu_kernels.WIDE_FORMATS]
     if native and cpu_kernels.available():
