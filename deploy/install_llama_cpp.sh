@@ -26,6 +26,7 @@ build="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLL
 if grep -qw amx_tile <<<"$flags"; then
     # On the Xeons with AMX the native build segfaults as it loads or evaluates the model (seen in
     # session 18; issue 23 saw "Illegal instruction"): build AVX-512 with VNNI and BF16, AMX off.
+    # That build decodes at about 0.6x the native one, whose llama-bench runs -d 0 only (session 19).
     isa="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
 -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 else
