@@ -250,8 +250,9 @@ _PANEL_DTYPE_FORMATS = {torch.float16: "float16", torch.bfloat16: "bfloat16", to
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, weight_format: str | None = None
                  ) -> torch.Tensor:
     """float32 x [M, K] @ W^T, W [out_features, K] stored by `pack_panels` (format: the panels' dtype)
-    or as GGUF blocks by engine.models.q4_1_blocks (weight_format "q4_1" or "q8_0") -> float32
-    [M, out_features], accumulated in float32 on the native kernel (rows independent, as `q8_linear`)."""
+    or as GGUF blocks by engine.models.q4_1_blocks (weight_format "q4_1" or "q8_0"; their "_a16"
+    layouts take x rounded to int16 per row and group, as `q8_linear`) -> float32 [M, out_features],
+    accumulated in float32 on the native kernel (rows independent, as `q8_linear`)."""
     x = pad_to_group(x.float()).contiguous()
     y = torch.empty(x.shape[0], out_features)
     code = FORMAT_CODES[weight_format or _PANEL_DTYPE_FORMATS[panels.dtype]]
