@@ -332,6 +332,14 @@ static inline __attribute__((always_inline)) void panel_pair(const char *pw, int
     }
 }
 
+// How far ahead the next tile's weights start, for prefetching them into L2 while this tile runs:
+// each tile opens `panels` new streams, whose first misses the hardware prefetcher cannot foresee.
+// 0 (no such prefetch) where a tile spans more than 128 KB: its prefetched successor would leave
+// L2 (512 KB on Zen 1) before it is read, and the read bandwidth would halve.
+static inline int64_t next_tile(int64_t stride, int panels) {
+    return panels * stride <= (128 << 10) ? panels * stride : 0;
+}
+
 // A tile's accumulators: rows x panels x VPP vectors, zeroed, then stored to y (row stride ldy).
 typedef vf Tile[TILE_ROWS][TILE_PANELS][VPP];
 static inline __attribute__((always_inline)) void zero_tile(Tile acc, const int rows, const int panels) {
@@ -352,9 +360,9 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
     Tile acc;
     // Prefetch a line per 64 bytes streamed, about 1 KB ahead: every 4th pair of k in Q4_1 (16 bytes
     // a pair), every other in Q8_0, every pair in fp16/bf16, and two lines a pair in fp32. The same
-    // lines of the thread's next tile (`panels` panels on) go to L2: each tile starts `panels` new
-    // streams, which otherwise begin with misses the hardware prefetcher has not seen coming.
+    // lines of the thread's next tile (`panels` panels on) go to L2 (`next_tile`).
     const int every = format == PANEL_Q4_1 ? 4 : format == PANEL_Q8_0 ? 2 : 1;
+    const int64_t ahead = next_tile(stride, panels);
     zero_tile(acc, rows, panels);
     for (int64_t b = 0; b < K / GROUP; b++) {
         vf d[TILE_PANELS][VPP], mn[TILE_PANELS][VPP];
@@ -366,10 +374,10 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
                 if (p % every == 0) {
                     const char *at = w + j * stride + pair_offset(format, b, p);
                     _mm_prefetch(at + 1024, _MM_HINT_T0);
-                    _mm_prefetch(at + panels * stride, _MM_HINT_T1);
+                    if (ahead) _mm_prefetch(at + ahead, _MM_HINT_T1);
                     if (format == PANEL_F32) {
                         _mm_prefetch(at + 1024 + 64, _MM_HINT_T0);
-                        _mm_prefetch(at + panels * stride + 64, _MM_HINT_T1);
+                        if (ahead) _mm_prefetch(at + ahead + 64, _MM_HINT_T1);
                     }
                 }
                 panel_pair(w + j * stride, b, p, format, d[j], mn[j], w0, w1);
@@ -426,6 +434,7 @@ static inline __attribute__((always_inline)) void a16_tile(const Rows16 *x, int6
                                                            float *y, int64_t ldy, const int rows, const int panels,
                                                            const int format) {
     const int64_t groups = x->K / GROUP, block = format == A16_Q4_1 ? Q4_1_BLOCK : Q8_0_BLOCK;
+    const int64_t ahead = next_tile(stride, panels);
     Tile acc;
     zero_tile(acc, rows, panels);
     for (int64_t b = 0; b < groups; b++) {
@@ -438,7 +447,7 @@ static inline __attribute__((always_inline)) void a16_tile(const Rows16 *x, int6
                 for (int j = 0; j < panels; j++) {
                     const char *line = w + j * stride + b * block + 4 * PANEL + g * 64;
                     _mm_prefetch(line + 1024, _MM_HINT_T0);  // and the next tile's, as panel_tile
-                    _mm_prefetch(line + panels * stride, _MM_HINT_T1);
+                    if (ahead) _mm_prefetch(line + ahead, _MM_HINT_T1);
                     for (int i = 0; i < VPP; i++) {
                         const vi packed = vi_load(line + i * VW * 4);
                         for (int s = 0; s < 4; s++) {
@@ -454,7 +463,7 @@ static inline __attribute__((always_inline)) void a16_tile(const Rows16 *x, int6
                     const char *pair = w + j * stride + b * block + 2 * PANEL + p * 2 * PANEL;
                     if (p % 2 == 0) {
                         _mm_prefetch(pair + 1024, _MM_HINT_T0);
-                        _mm_prefetch(pair + panels * stride, _MM_HINT_T1);
+                        if (ahead) _mm_prefetch(pair + ahead, _MM_HINT_T1);
                     }
                     for (int i = 0; i < VPP; i++) {
                         const vi pairs = vi_i8_pairs((const int8_t *)pair + i * 2 * VW);
