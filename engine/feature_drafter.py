@@ -20,6 +20,7 @@ from engine.drafters import Drafter, Proposal, ProposalShape, branch_proposals
 from engine.models.causal_lm import CausalLM
 from engine.models.fast_llama import PackedLinear, onto_huge_pages
 from engine.models.feature_draft import FeatureDraft
+from engine.models.q4_1_blocks import round_to_q4_1
 from engine.sampling import SamplingParams, dense_probs, logits_to_probs, sample_from, sample_sparse, sparse_probs
 
 
@@ -29,14 +30,16 @@ _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _packed(draft: FeatureDraft, dtype: str, head_dtype: str, full_head: bool,
             vocab_size: int) -> tuple[PackedLinear, PackedLinear]:
     """The draft's fc and head in the fast backend's formats, built once per draft and formats: packing
-    them (q4_1's exact-block search) took 250 ms, paid by every playground run that made a drafter."""
+    them (q4_1's exact-block search) took 250 ms, paid by every playground run that made a drafter.
+    A draft `rounded_to_q4_1` has its head rows rounded to Q4_1 weights too."""
     per_draft = _PACKED.setdefault(draft, {})
     key = (dtype, head_dtype, full_head, vocab_size)
     if key not in per_draft:
         head = draft.head_weight[:vocab_size]
         with torch.no_grad():
+            rows = head if full_head else head[draft.vocab_ids]
             per_draft[key] = (PackedLinear(draft.fc.weight, dtype),
-                              PackedLinear(head if full_head else head[draft.vocab_ids], head_dtype))
+                              PackedLinear(round_to_q4_1(rows) if draft.q4_1_rounded else rows, head_dtype))
             onto_huge_pages(per_draft[key])
     return per_draft[key]
 

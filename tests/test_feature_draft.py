@@ -9,6 +9,7 @@ from engine.config import SpecConfig
 from engine.decoding import generate
 from engine.events import RoundEvent
 from engine.feature_drafter import FeatureDrafter
+from engine.models import cpu_kernels
 from engine.models.feature_draft import FeatureDraft, draft_card, load_feature_draft
 from engine.sampling import SamplingParams
 
@@ -133,6 +134,37 @@ def test_sps_with_a_reduced_head_draft_samples_the_target_distribution(feature_p
     assert drafted == 2 * 500
     reference = feature_pair.make_target("transformers")
     assert matches(torch.tensor(firsts), torch.softmax(reference.forward(prompt)[-1], dim=-1))
+
+
+def test_q4_1_a16_draft_runs_on_rounded_blocks_and_leaves_the_shipped_draft_alone(feature_pair):
+    """Under q4_1_a16 the GEMMs of the draft step (fc, the layer, the reduced head) find Q4_1 blocks
+    (rather than falling back to float32 panels), from a rounded copy that shares the target's embedding and
+    head; the loaded draft keeps its own weights, and q4_1 keeps the bfloat16 draft."""
+    from engine.models.feature_draft import rounded_to_q4_1
+    from engine.models.q4_1_blocks import round_to_q4_1
+
+    if not cpu_kernels.available():
+        pytest.skip("the native kernels did not build")
+    draft = feature_pair.feature_draft
+    drafter = feature_pair.make_drafter("model", "fast", "q4_1_a16")
+    layer = drafter.lm.w.layers[0]
+    # (the tiny model's down projection reads 172 channels, not whole blocks of 32: it stays float32)
+    assert [g.format for g in (drafter.fc, drafter.head, layer.qkv, layer.o, layer.gate_up)] == ["q4_1_a16"] * 5
+    twin = rounded_to_q4_1(draft)
+    assert twin is rounded_to_q4_1(draft) and not draft.q4_1_rounded
+    assert torch.equal(twin.fc.weight, round_to_q4_1(draft.fc.weight)) and not torch.equal(twin.fc.weight, draft.fc.weight)
+    assert twin.head_weight is draft.head_weight is feature_pair.target_model.lm_head.weight
+    assert feature_pair.make_drafter("model", "fast", "q4_1").lm.weight_dtype == "bfloat16"
+
+
+def test_default_draft_step_is_all_q4_1_blocks(default_pair):
+    """The shipped draft's every GEMM in the default format runs on Q4_1 blocks (8.5 MB a step)."""
+    if not cpu_kernels.available():
+        pytest.skip("the native kernels did not build")
+    drafter = default_pair.make_drafter()
+    layer = drafter.lm.w.layers[0]
+    gemms = (drafter.fc, drafter.head, layer.qkv, layer.o, layer.gate_up, layer.down)
+    assert [g.format for g in gemms] == ["q4_1_a16"] * 6
 
 
 def test_drafter_without_target_features_says_so(feature_pair):

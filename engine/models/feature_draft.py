@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaForCausalLM, PreTrainedModel
 from transformers.initialization import no_init_weights
+
+from engine.models.q4_1_blocks import round_to_q4_1
 
 
 class FeatureDraft(nn.Module):
@@ -52,6 +55,7 @@ class FeatureDraft(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids.to(torch.long).sort().values, persistent=False)
         for p in (self.model.model.embed_tokens.weight, self.model.lm_head.weight):
             p.requires_grad_(False)
+        self.q4_1_rounded = False  # set on `rounded_to_q4_1`'s copies: their head rows get rounded too
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -96,6 +100,30 @@ def load_feature_draft(path: Path, target: PreTrainedModel) -> FeatureDraft:
     if missing or unexpected:
         raise ValueError(f"{path} does not match the draft's shape: missing {missing}, unexpected {unexpected}")
     return draft.eval()
+
+
+_ROUNDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def rounded_to_q4_1(draft: FeatureDraft) -> FeatureDraft:
+    """A copy of `draft` whose fc and layer projections hold the nearest Q4_1 weights (a lossy
+    rounding: a trained draft has no GGUF blocks), and whose drafter rounds its head rows the same
+    way; the target's embedding and head stay shared, untouched. Built once per draft.
+
+    Why: the q4_1_a16 kernels then run the whole draft step from 8.5 instead of 18.4 MB (fc and
+    layer 8.4 MB in bfloat16, the reduced head's 10 MB of Q8_0 blocks). A draft needs no exactness,
+    since every rule verifies a token against the D it was drawn from (SpS stays exact for any
+    draft); the rounding costs acceptance, measured in assets/FAST_BACKEND.md (session 21)."""
+    if draft not in _ROUNDED:
+        shared = {id(p): p for p in (draft.model.model.embed_tokens.weight, draft.model.lm_head.weight)}
+        twin = copy.deepcopy(draft, memo=shared)
+        with torch.no_grad():
+            for module in [twin.fc, *twin.model.model.layers.modules()]:
+                if isinstance(module, nn.Linear):
+                    module.weight.copy_(round_to_q4_1(module.weight))
+        twin.q4_1_rounded = True
+        _ROUNDED[draft] = twin
+    return _ROUNDED[draft]
 
 
 def draft_card(path: Path) -> dict:

@@ -20,7 +20,7 @@ from engine.feature_drafter import FeatureDrafter
 from engine.models.causal_lm import CausalLM, HFCausalLM
 from engine.models.embedded import embedded_target_dir
 from engine.models.fast_llama import WEIGHT_DTYPES, FastLlamaCausalLM, fast_backend_supported
-from engine.models.feature_draft import FeatureDraft, draft_card, load_feature_draft
+from engine.models.feature_draft import FeatureDraft, draft_card, load_feature_draft, rounded_to_q4_1
 from engine.models.tiny import tiny_pair_dirs
 
 PAIRS = ("default", "tiny")
@@ -42,9 +42,15 @@ DEFAULT_FAST_WEIGHTS = "q4_1_a16"
 # of its layers. A draft needs no reference to match (every rule verifies a token against the D it
 # was drawn from, so SpS stays exact for any draft), so they take bfloat16 instead (8.4 MB; its
 # panels keep every row's result independent of the batch, which the draft's incremental state
-# relies on); the head is the target's tied embedding and keeps the target's format (its exact
-# Q8_0 blocks under q4_1). Acceptance is unchanged within noise (assets/FAST_BACKEND.md).
+# relies on). A feature draft under q4_1_a16 goes further: its fc, layer and reduced head are
+# rounded to the nearest Q4_1 weights and run on the q4_1_a16 kernels (8.5 MB a step, 18.4 before;
+# `feature_draft.rounded_to_q4_1`). Its step got 0.6-0.7x as long and end to end, at K = 1, SpS went
+# from 1.00x to 1.055x AR and Cactus from 1.05x to 1.11x, for acceptance 0.435 against 0.477 (SpS)
+# and 0.547 against 0.574 (Cactus) (assets/FAST_BACKEND.md, session 21). Other drafts' heads keep
+# the target's format (its exact Q8_0 blocks under q4_1).
 DRAFT_WEIGHTS = {"q4_1": "bfloat16", "q4_1_a16": "bfloat16"}
+FEATURE_DRAFT_WEIGHTS = {"q4_1": "bfloat16"}
+ROUNDED_DRAFT_WEIGHTS = ("q4_1_a16",)  # a feature draft in these formats is rounded_to_q4_1 first
 # The default pair's draft: a feature-level (EAGLE-style) draft distilled from the target by
 # `python -m engine.distill`; its model card is assets/DEFAULT_DRAFT.md.
 DEFAULT_DRAFT_FILE = Path(__file__).resolve().parents[2] / "assets" / "default_draft.safetensors"
@@ -81,12 +87,14 @@ class ModelPair:
 
     def make_drafter(self, kind: str = "model", backend: str = "auto",
                      weight_dtype: str = DEFAULT_FAST_WEIGHTS) -> Drafter:
-        draft_dtype = draft_weight_dtype(weight_dtype)
         if kind in ("model", "model-full-vocab") and self.feature_draft is not None:
-            lm = self._causal_lm(self.feature_draft.model, f"{self.name}/draft", backend, draft_dtype)
+            draft_dtype = FEATURE_DRAFT_WEIGHTS.get(weight_dtype, weight_dtype)
+            draft = rounded_to_q4_1(self.feature_draft) if draft_dtype in ROUNDED_DRAFT_WEIGHTS else self.feature_draft
+            lm = self._causal_lm(draft.model, f"{self.name}/draft", backend, draft_dtype)
             full = kind == "model-full-vocab"
-            return FeatureDrafter(self.feature_draft, lm, self.draft_description + (" (full head)" if full else ""),
+            return FeatureDrafter(draft, lm, self.draft_description + (" (full head)" if full else ""),
                                   self.vocab_size, full_head=full, head_dtype=weight_dtype)
+        draft_dtype = draft_weight_dtype(weight_dtype)
         if kind == "model-full-vocab":
             raise ValueError(f"pair {self.name!r} has no feature draft; 'model-full-vocab' needs one")
         if kind == "model":
