@@ -49,8 +49,7 @@ DEFAULT_FAST_WEIGHTS = "q4_1_a16"
 # and 0.547 against 0.574 (Cactus) (assets/FAST_BACKEND.md, session 21). Other drafts' heads keep
 # the target's format (its exact Q8_0 blocks under q4_1).
 DRAFT_WEIGHTS = {"q4_1": "bfloat16", "q4_1_a16": "bfloat16"}
-FEATURE_DRAFT_WEIGHTS = {"q4_1": "bfloat16"}
-ROUNDED_DRAFT_WEIGHTS = ("q4_1_a16",)  # a feature draft in these formats is rounded_to_q4_1 first
+FEATURE_DRAFT_WEIGHTS = {"q4_1": "bfloat16"}  # under q4_1_a16 it is rounded_to_q4_1, the same format
 # The default pair's draft: a feature-level (EAGLE-style) draft distilled from the target by
 # `python -m engine.distill`; its model card is assets/DEFAULT_DRAFT.md.
 DEFAULT_DRAFT_FILE = Path(__file__).resolve().parents[2] / "assets" / "default_draft.safetensors"
@@ -89,7 +88,7 @@ class ModelPair:
                      weight_dtype: str = DEFAULT_FAST_WEIGHTS) -> Drafter:
         if kind in ("model", "model-full-vocab") and self.feature_draft is not None:
             draft_dtype = FEATURE_DRAFT_WEIGHTS.get(weight_dtype, weight_dtype)
-            draft = rounded_to_q4_1(self.feature_draft) if draft_dtype in ROUNDED_DRAFT_WEIGHTS else self.feature_draft
+            draft = rounded_to_q4_1(self.feature_draft) if draft_dtype == "q4_1_a16" else self.feature_draft
             lm = self._causal_lm(draft.model, f"{self.name}/draft", backend, draft_dtype)
             full = kind == "model-full-vocab"
             return FeatureDrafter(draft, lm, self.draft_description + (" (full head)" if full else ""),
