@@ -48,6 +48,7 @@ from engine.decoding import describe_device, generate
 from engine.events import FinishEvent, TokenEvent
 from engine.metrics import ROUND_PHASES, DivergenceTally
 from engine.models.embedded import gguf_path
+from engine.models.causal_lm import CausalLM
 from engine.models.fast_llama import WEIGHT_DTYPES
 from engine.models.registry import BACKENDS, DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS, GENERIC_K, PAIRS, ModelPair, load_pair
 from engine.prompts import held_out_prompts
@@ -572,16 +573,41 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
             lambda ratios: "/".join(f"{x:.2f}" for x in ratios) if isinstance(ratios, list) else None)
         print(shown)
     if args.profile:
-        print_profile(rows)
+        engine_rows = [row for row in built.values() if isinstance(row, EngineRow)]
+        print_profile(rows, cold_op_microseconds(engine_rows[0].target, prompts[0]) if engine_rows else None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2, default=float)
     return table
 
 
-def print_profile(rows: Sequence[dict]) -> None:
+def cold_op_microseconds(target: CausalLM, prompt: Sequence[int], rounds: int = 31) -> tuple[float, float]:
+    """Median µs of one small torch op (`torch.empty(2, 20)`) right after a one-token target forward,
+    and of the same op right after it: what the first Python step between two forwards pays here.
+
+    Why it is in the profile: on the 2-core KVM Xeons of this project the cold op took 30-90 µs
+    against 3-5 warm, and a C spin or a sleep of the same 7 ms did the same as the forward (FAST_BACKEND.md,
+    "Cold Python between forwards"), so a round's overhead phases there are mostly the number of
+    Python steps a round takes, not what each step computes. (Every generation resets the target.)"""
+    target.reset()
+    target.forward(prompt)
+    cold, warm = [], []
+    for _ in range(rounds):
+        target.forward(prompt[-1:])
+        target.rollback(len(prompt))
+        start = time.perf_counter()
+        torch.empty(2, 20)
+        middle = time.perf_counter()
+        torch.empty(2, 20)
+        cold.append(middle - start)
+        warm.append(time.perf_counter() - middle)
+    return 1e6 * statistics.median(cold), 1e6 * statistics.median(warm)
+
+
+def print_profile(rows: Sequence[dict], cold_op: tuple[float, float] | None = None) -> None:
     """Where a round goes, per engine row: ms per round of each phase (the *_forward phases are the
-    models' forwards; the rest is overhead), the overhead's share of the round, and the prefill."""
+    models' forwards; the rest is overhead), the overhead's share of the round, and the prefill; then
+    `cold_op_microseconds` when given."""
     profiled = [r for r in rows if r.get("profile_ms_per_round")]
     if not profiled:
         return
@@ -592,6 +618,9 @@ def print_profile(rows: Sequence[dict]) -> None:
     print("\nper-round profile (ms per round, median over repeats; overhead = all but the two *_forward phases)")
     with pd.option_context("display.width", 250, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
         print(table)
+    if cold_op is not None:
+        print(f"one small torch op right after a target forward: {cold_op[0]:.1f} us; right after another: "
+              f"{cold_op[1]:.1f} us (medians of 31)")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 import importlib.util
 import json
+import re
 
 import pytest
 
@@ -66,6 +67,16 @@ def test_bench_compares_weight_formats_side_by_side(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--pair", "tiny", "--weight-dtype", "float16,fp8"])
     assert "--weight-dtype wants" in capsys.readouterr().err
+
+
+def test_profile_shows_each_phase_and_what_a_cold_python_step_costs(capsys):
+    bench.main(["--pair", "tiny", "--methods", "ar,sps", "--peers", "", "--prompts", "1", "--repeats", "1",
+                "--max-new-tokens", "8", "--k", "2", "--profile"])
+    out = capsys.readouterr().out
+    profile = out[out.index("per-round profile"):]
+    assert all(phase in profile for phase in ("draft_forward", "sampling_rule", "rollback", "between_rounds"))
+    cold = re.search(r"right after a target forward: ([\d.]+) us; right after another: ([\d.]+) us", profile)
+    assert cold and float(cold.group(1)) > 0 and float(cold.group(2)) > 0
 
 
 def test_bench_rejects_unknown_methods():
