@@ -17,11 +17,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.drafters import Drafter, Proposal, ProposalShape, branch_proposals
+from engine.models import cpu_kernels
 from engine.models.causal_lm import CausalLM
 from engine.models.fast_llama import PackedLinear, onto_huge_pages
 from engine.models.feature_draft import FeatureDraft
 from engine.models.q4_1_blocks import round_to_q4_1
-from engine.sampling import SamplingParams, dense_probs, logits_to_probs, sample_from, sample_sparse, sparse_probs
+from engine.sampling import (SamplingParams, dense_probs, logits_to_probs, native_width_for, sample_from, sample_sparse,
+                             sparse_probs)
 
 
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -73,6 +75,12 @@ class FeatureDrafter(Drafter):
         self._outputs: list[torch.Tensor] = []  # f̂ of each entry
         self._real_entries = 0  # leading entries computed from real target features
         self._extra_seconds = 0.0  # fc and head time (the layer's own time is lm.forward_seconds)
+        # A step (feed, then draw from the last f̂) as one native call where the layers run on the native
+        # decoder and the head is a reduced one (`_feed_and_draw`).
+        decoder = getattr(getattr(lm, "w", None), "native_decoder", None)
+        self._step = (cpu_kernels.FeatureStep(self.embed, self.fc, self.head, self.head_ids, decoder)
+                      if decoder is not None and self.head_ids is not None and self.fc.native and self.head.native
+                      and hasattr(lm, "native_slots") else None)
 
     def start(self) -> None:
         self.lm.reset()
@@ -99,15 +107,14 @@ class FeatureDrafter(Drafter):
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: torch.Tensor) -> Proposal:
         if len(context) < 2:
             raise ValueError("the feature draft needs at least two context tokens")
-        feature = self._sync(context)  # [1, hidden]
+        feed = self._sync_all_but_last(context)
         tokens, ids, rows = [], [], []
         for u in uniforms.tolist()[:k]:
-            drawn, token_ids, probs = self._draw(feature, params, [u])
+            drawn, token_ids, probs = self._feed_and_draw(feed, params, u)
             tokens += drawn
             ids.append(token_ids)
             rows.append(probs)
-            if len(tokens) < k:
-                feature = self._feed(drawn, feature)
+            feed = (drawn, None)  # the next entry: the token just drawn, after f̂ of the one it was drawn from
         if not rows:
             return Proposal(tokens, torch.empty(0, self.vocab_size))
         if ids[0] is None:
@@ -172,6 +179,14 @@ class FeatureDrafter(Drafter):
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Bring the draft KV to entries for positions 1..len(context)-1; return f̂ of the last one [1, hidden]."""
+        feed = self._sync_all_but_last(context)
+        if feed is not None:
+            self._feed(*feed)
+        return self._outputs[-1]
+
+    def _sync_all_but_last(self, context: Sequence[int]) -> tuple[Sequence[int], torch.Tensor] | None:
+        """`_sync` but for its last feed, returned as (tokens, input features) for the caller to run with
+        its draw (`_feed_and_draw`); None when the cache already holds every entry."""
         m = len(context) - 1
         known = self._num_features
         # Leading entries whose token matches and whose input feature was a real one; usually all of
@@ -183,14 +198,39 @@ class FeatureDrafter(Drafter):
         self.lm.rollback(keep)
         del self._entries[keep:], self._outputs[keep:]
         real_end = min(m, known)
+        feed = None
         if real_end > keep:  # one batched forward over every entry with a real input feature
-            self._feed(context[keep + 1:real_end + 1], self._feature_rows[keep:real_end])
+            feed = (context[keep + 1:real_end + 1], self._feature_rows[keep:real_end])
         self._real_entries = max(keep, real_end)
-        for j in range(len(self._entries) + 1, m + 1):  # beyond the target's features: the draft's own f̂
+        for j in range(self._real_entries + 1, m + 1):  # beyond the target's features: the draft's own f̂
+            if feed is not None:
+                self._feed(*feed)
             if not self._outputs:
                 raise ValueError("the feature draft needs the target's features of the context (observe_target)")
-            self._feed([context[j]], self._outputs[-1])
-        return self._outputs[-1]
+            feed = ([context[j]], self._outputs[-1])
+        return feed
+
+    def _feed_and_draw(self, feed: tuple[Sequence[int], torch.Tensor | None] | None, params: SamplingParams,
+                       uniform: float) -> tuple[list[int], torch.Tensor | None, torch.Tensor]:
+        """Run `feed` = (tokens, input features; None: f̂ of the last entry), if any, then draw from the last
+        f̂ as `_draw` does. Both in one native call (`cpu_kernels.FeatureStep`, the same bits) where the
+        step has one and the draw's support is small; otherwise `_feed`, then `_draw`."""
+        if feed is None:
+            return self._draw(self._outputs[-1], params, [uniform])
+        tokens, features = feed
+        features = self._outputs[-1] if features is None else features
+        width = None if self._step is None else native_width_for(params, self._step.layout.head_rows)
+        if width is None:
+            self._feed(tokens, features)
+            return self._draw(self._outputs[-1], params, [uniform])
+        start = time.perf_counter()
+        temperature, top_p = (1.0, 1.0) if params.greedy else (params.temperature, params.top_p)
+        token, ids, probs, out = self._step(tokens, features, self.lm.native_slots(len(tokens)), width, temperature,
+                                            top_p, uniform)
+        self.lm.book_forward(len(tokens), start)
+        self._entries.extend(int(t) for t in tokens)
+        self._outputs.extend([out] if out.shape[0] == 1 else out.split(1))
+        return [token], ids, probs
 
     def _feed(self, tokens: Sequence[int], features: torch.Tensor) -> torch.Tensor:
         """Append draft KV entries for `tokens` with input features [n, hidden]; f̂ of the last [1, hidden].

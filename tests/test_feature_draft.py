@@ -167,6 +167,31 @@ def test_default_draft_step_is_all_q4_1_blocks(default_pair):
     assert [g.format for g in gemms] == ["q4_1_a16"] * 6
 
 
+@pytest.mark.parametrize("weight_dtype", ["float32", "q4_1_a16"])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=20, top_p=0.9), SamplingParams()])
+def test_one_native_call_per_draft_step_gives_the_same_bits(feature_pair, weight_dtype, params):
+    """`FeatureStep` (fc, layer, head and draw in one call) against the same steps one call at a time:
+    identical rounds (tokens, their probabilities, accepted lengths) at K = 1 and K = 3."""
+    if not cpu_kernels.available():
+        pytest.skip("the native kernels did not build")
+    target = feature_pair.make_target("fast", weight_dtype)
+    fused, plain = (feature_pair.make_drafter("model", "fast", weight_dtype) for _ in range(2))
+    assert fused._step is not None
+    plain._step = None
+    prompt = feature_pair.tokenizer("the cat sat on")["input_ids"]
+
+    def rounds(drafter, k):
+        cfg = SpecConfig(method="sps", num_speculative_tokens=k, max_new_tokens=24, temperature=params.temperature,
+                         top_k=params.top_k, top_p=params.top_p, seed=3)
+        return [(e.draft_token_ids, e.num_accepted, e.num_emitted) if isinstance(e, RoundEvent) else
+                (e.token_id, e.draft_prob, e.target_prob)
+                for e in generate(target, drafter, feature_pair.tokenizer, prompt, cfg) if hasattr(e, "round_index")]
+
+    for k in (1, 3):
+        assert rounds(fused, k) == rounds(plain, k)
+    assert fused.lm.num_forwards == plain.lm.num_forwards and fused.lm.length == plain.lm.length
+
+
 def test_drafter_without_target_features_says_so(feature_pair):
     drafter = feature_pair.make_drafter("model")
     drafter.start()

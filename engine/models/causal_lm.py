@@ -38,9 +38,7 @@ class CausalLM(ABC):
             raise ValueError("forward needs at least one token")
         start = time.perf_counter()
         logits = self._forward(tokens, last_n)
-        self.length += len(tokens)
-        self.forward_seconds += time.perf_counter() - start
-        self.num_forwards += 1
+        self.book_forward(len(tokens), start)
         return logits
 
     def forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
@@ -48,10 +46,15 @@ class CausalLM(ABC):
         states [n, hidden]. Feature-level drafts feed fc([embedding; target feature]) this way."""
         start = time.perf_counter()
         hidden = self._forward_embeds(embeds)
-        self.length += embeds.shape[0]
+        self.book_forward(embeds.shape[0], start)
+        return hidden
+
+    def book_forward(self, tokens: int, start: float) -> None:
+        """Count a forward that appended `tokens` to the cache and began at `time.perf_counter()` = start
+        (also for a caller that ran the layers itself, as `cpu_kernels.FeatureStep` does)."""
+        self.length += tokens
         self.forward_seconds += time.perf_counter() - start
         self.num_forwards += 1
-        return hidden
 
     def _forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"the {self.backend} backend cannot take input vectors")

@@ -1159,3 +1159,37 @@ int64_t sample_draw(const float *logits, int64_t vocab, int64_t w, float tempera
     return draw_support(ids, probs, w, u);
 }
 #pragma GCC pop_options
+
+// One step of a feature draft (engine.feature_drafter): x_j = fc([embed(t_j); f_{j-1}]) for n
+// entries, the draft's decoder stack on them at cache slots [slot, slot + n) -> their f̂ into out
+// [n, hidden], then the head on the last f̂ and sample_draw with u into ids, probs [w]; returns the
+// drawn token. The same kernels in the same order as the Python path (fc, decoder_forward, head,
+// sample_draw; every GEMM a decode GEMM), so the same bits: one ctypes call where that path took
+// about 15 torch ops and four ctypes calls a round, each of which costs 10-90 us on a VM whose
+// caches went cold during the forwards (assets/FAST_BACKEND.md, session 22).
+typedef struct {
+    const float *embed;  // [vocab, embed_dim], float32
+    Linear fc, head;     // fc [hidden, embed_dim + hidden]; head [head_rows, hidden] (a reduced head)
+    const int64_t *head_ids;  // the head's token ids (NULL: the rows are the vocabulary)
+    const Decoder *decoder;
+    int64_t embed_dim, head_rows;
+} FeatureStep;
+
+int64_t feature_draft_step(const FeatureStep *s, const int64_t *tokens, int64_t n, const float *features,
+                           float *k_cache, float *v_cache, int64_t cap, const float *rope, int64_t slot, int wide,
+                           float *out, int64_t w, float temperature, float top_p, float u, int64_t *ids,
+                           float *probs) {
+    const int64_t H = s->decoder->hidden, E = s->embed_dim, K = E + H, Kp = (K + GROUP - 1) / GROUP * GROUP;
+    float *in = calloc(n * Kp, sizeof(float)), *x = malloc(n * H * sizeof(float));
+    float *logits = malloc(s->head_rows * sizeof(float));
+    for (int64_t j = 0; j < n; j++) {  // [embed(t_j); f_{j-1}], zero-padded to Kp as pad_to_group
+        memcpy(in + j * Kp, s->embed + tokens[j] * E, E * sizeof(float));
+        memcpy(in + j * Kp + E, features + j * H, H * sizeof(float));
+    }
+    decoder_linear(&s->fc, in, n, Kp, H, x, 0);
+    decoder_forward(s->decoder, x, n, k_cache, v_cache, cap, rope, slot, NULL, wide, out);
+    decoder_linear(&s->head, out + (n - 1) * H, 1, H, s->head_rows, logits, 0);
+    const int64_t token = sample_draw(logits, s->head_rows, w, temperature, top_p, s->head_ids, u, ids, probs);
+    free(in); free(x); free(logits);
+    return token;
+}

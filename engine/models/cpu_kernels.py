@@ -135,6 +135,14 @@ class _DecoderLayout(ctypes.Structure):
                 ("eps", ctypes.c_float)]
 
 
+class _FeatureStepLayout(ctypes.Structure):
+    """Mirror of `FeatureStep` in cpu_kernels.c: a feature draft's embedding, fc, head and decoder."""
+
+    _fields_ = [("embed", ctypes.c_void_p), ("fc", _Linear), ("head", _Linear), ("head_ids", ctypes.c_void_p),
+                ("decoder", ctypes.POINTER(_DecoderLayout)), ("embed_dim", ctypes.c_int64),
+                ("head_rows", ctypes.c_int64)]
+
+
 @cache
 def load(isa: str) -> ctypes.CDLL | None:
     """The kernels built for `isa` (which this CPU must run), or None where they do not build."""
@@ -156,6 +164,9 @@ def load(isa: str) -> ctypes.CDLL | None:
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, argtypes
+    lib.feature_draft_step.restype = i64
+    lib.feature_draft_step.argtypes = [ctypes.POINTER(_FeatureStepLayout), ptr, i64, ptr, ptr, ptr, i64, ptr, i64,
+                                       ctypes.c_int, ptr, i64, f32, f32, f32, ptr, ptr]
     lib.kernel_vector_width.restype, lib.kernel_vector_width.argtypes = ctypes.c_int, []
     if lib.kernel_vector_width() != ISAS[isa].vector_width:
         raise RuntimeError(f"the {isa} build of cpu_kernels.c reports {lib.kernel_vector_width()}-float vectors")
@@ -353,6 +364,42 @@ class NativeDecoder:
                                    v_cache.data_ptr(), k_cache.shape[2], rope.data_ptr(), slot,
                                    None if mask is None else mask.data_ptr(), int(wide), out.data_ptr())
         return out
+
+
+class FeatureStep:
+    """A feature draft's step as one native call (`feature_draft_step` in cpu_kernels.c): the
+    entries' inputs fc([embed(t_j); f_{j-1}]), the draft's decoder stack, the head on the last
+    output and the draw from it, bit for bit what the same GEMMs and `engine.sampling.sample_sparse`
+    give one call at a time. The weights stay owned by the caller's tensors (referenced here)."""
+
+    def __init__(self, embed: torch.Tensor, fc, head, head_ids: torch.Tensor | None, decoder: NativeDecoder) -> None:
+        """embed float32 [vocab, E]; fc and head as `NativeDecoder`'s GEMMs (`weight`, `scales`, `format`), fc [H, E + H],
+        head [rows, H]; head_ids: the head rows' token ids (None: the rows are the vocabulary)."""
+        embed = embed.detach().float().contiguous()
+        head_ids = None if head_ids is None else head_ids.to(torch.int64).contiguous()
+        self._keep = [embed, fc, head, head_ids, decoder]
+        self.hidden = decoder.layout.hidden
+        self.layout = _FeatureStepLayout(
+            embed.data_ptr(), *(_Linear(lin.weight.data_ptr(), None if lin.scales is None else lin.scales.data_ptr(),
+                                        FORMAT_CODES[lin.format]) for lin in (fc, head)),
+            None if head_ids is None else head_ids.data_ptr(), ctypes.pointer(decoder.layout), embed.shape[1],
+            head.out_features)
+
+    def __call__(self, tokens: Sequence[int], features: torch.Tensor, cache: tuple[int, int, int, int, int, bool],
+                 width: int, temperature: float, top_p: float, uniform: float
+                 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Feed `tokens` with input features [n, H] (contiguous float32) at `cache` = (k cache, v cache, capacity,
+        rope rows, first slot, wide) as pointers and sizes (`FastLlamaCausalLM.native_slots`), then draw one
+        token from the top-`width` support at `temperature`, `top_p` with `uniform`:
+        (token, ids [1, width], probs [1, width], f̂ [n, H])."""
+        n = len(tokens)
+        out = torch.empty(n, self.hidden)
+        ids = torch.empty(1, width, dtype=torch.long)
+        probs = torch.empty(1, width)
+        token = _library().feature_draft_step(
+            ctypes.byref(self.layout), (ctypes.c_int64 * n)(*tokens), n, features.data_ptr(), *cache, out.data_ptr(),
+            width, temperature, top_p, uniform, ids.data_ptr(), probs.data_ptr())
+        return token, ids, probs, out
 
 
 # ---- sampling kernels ----

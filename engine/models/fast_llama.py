@@ -334,6 +334,7 @@ class FastLlamaCausalLM(CausalLM):
         self.k, self.v = k, v
         self.rope = w.rope_table(max_length)
         self.max_length = max_length
+        self._pointers = (k.data_ptr(), v.data_ptr(), self.rope.data_ptr(), self.rope.stride(0) * self.rope.element_size())
 
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.max_length:
@@ -355,6 +356,19 @@ class FastLlamaCausalLM(CausalLM):
     @torch.inference_mode()
     def _forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
         return self._decode(embeds.float().clone())
+
+    def native_slots(self, n: int) -> tuple[int, int, int, int, int, bool] | None:
+        """Where n more input vectors go through the native decoder, as `cpu_kernels.FeatureStep` takes
+        them: (k cache, v cache, capacity, rope rows from position `length`, first slot, wide), the
+        cache grown first if needed (pointers kept from the allocation: no torch op here, which after a
+        forward would cost tens of microseconds). None where `_decode` would not run the native decoder.
+        The caller books the forward (`book_forward`)."""
+        if _glue() is not cpu_kernels or self.w.native_decoder is None:
+            return None
+        pos = self.length
+        self._ensure_capacity(pos + n)
+        k, v, rope, row_bytes = self._pointers
+        return k, v, self.max_length, rope + pos * row_bytes, pos, pos == 0 and n >= cpu_kernels.WIDE_MIN_ROWS
 
     def _decode(self, x: torch.Tensor, tree: tuple[torch.Tensor, int, torch.Tensor] | None = None) -> torch.Tensor:
         """Run the layers on input vectors x [n, hidden] at positions length..length+n; return the
