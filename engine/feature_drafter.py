@@ -74,7 +74,7 @@ class FeatureDrafter(Drafter):
         self._entries: list[int] = []  # t_j of each draft KV entry j-1 (entry i is position i+1)
         self._outputs: list[torch.Tensor] = []  # f̂ of each entry
         self._real_entries = 0  # leading entries computed from real target features
-        self._extra_seconds = 0.0  # fc and head time (the layer's own time is lm.forward_seconds)
+        self._extra_seconds = 0.0  # fc and head time one call at a time (the layer's, and a native step's, are lm's)
         # A step (feed, then draw from the last f̂) as one native call where the layers run on the native
         # decoder and the head is a reduced one (`_feed_and_draw`).
         decoder = getattr(getattr(lm, "w", None), "native_decoder", None)
