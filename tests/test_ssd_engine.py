@@ -280,8 +280,10 @@ def test_a_slow_draft_worker_never_makes_a_round_wait_for_its_cache(tiny_pair):
                                                         num_speculative_tokens=2)))
     rounds = [e for e in events if isinstance(e, SSDRoundEvent)]
     assert finishes(events)[0].token_ids == ar_tokens(tiny_pair, prompt, 40)
-    filled = [i for i, r in enumerate(rounds) if r.next_fill[0] > 0]
-    assert len(filled) <= 3  # learning fills only: which early rounds they land in depends on the clock
+    # Learning fills only, early: how many, and whether a fill is cut before its first branch because the
+    # next request is already waiting ((0, 0, True)), depends on the clock (1 to 8 seen here, and CI once
+    # failed when only fills with branches counted). The learning must end: the tail below is long.
+    filled = [i for i, r in enumerate(rounds) if r.next_fill != (0, 0, False)]
     late = rounds[max(filled, default=-2) + 2:]  # after the last fill and the round that looked it up
     assert len(late) > 10 and all(r.sources == ("neural",) and r.next_fill == (0, 0, False) for r in late)
     assert all("does not fit in the verification's time" in r.fill_note for r in late)  # the page says why
