@@ -319,6 +319,12 @@ def attention(qkv: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_ca
     return out
 
 
+def _linear(lin) -> _Linear:
+    """A GEMM's native descriptor: its weight (and scales) pointers and storage format."""
+    return _Linear(lin.weight.data_ptr(), None if lin.scales is None else lin.scales.data_ptr(),
+                   FORMAT_CODES[lin.format])
+
+
 class NativeDecoder:
     """A whole Llama decoder stack as one native call (`decoder_forward` in cpu_kernels.c), each GEMM
     in its own storage format (`FORMAT_CODES`).
@@ -341,10 +347,7 @@ class NativeDecoder:
         self._keep = [layers, final_norm]
         arrays = {}
         for name in self.GEMMS:
-            arrays[name] = (_Linear * len(layers))(*[
-                _Linear(layer[name].weight.data_ptr(),
-                        None if layer[name].scales is None else layer[name].scales.data_ptr(),
-                        FORMAT_CODES[layer[name].format]) for layer in layers])
+            arrays[name] = (_Linear * len(layers))(*[_linear(layer[name]) for layer in layers])
         for name in ("input_norm", "post_norm"):
             arrays[name] = (ctypes.c_void_p * len(layers))(*[layer[name].data_ptr() for layer in layers])
         self._keep.append(arrays)
@@ -373,15 +376,14 @@ class FeatureStep:
     give one call at a time. The weights stay owned by the caller's tensors (referenced here)."""
 
     def __init__(self, embed: torch.Tensor, fc, head, head_ids: torch.Tensor | None, decoder: NativeDecoder) -> None:
-        """embed float32 [vocab, E]; fc and head as `NativeDecoder`'s GEMMs (`weight`, `scales`, `format`), fc [H, E + H],
-        head [rows, H]; head_ids: the head rows' token ids (None: the rows are the vocabulary)."""
+        """embed float32 [vocab, E]; fc [H, E + H] and head [rows, H] as `NativeDecoder`'s GEMMs (`weight`,
+        `scales`, `format`); head_ids: the head rows' token ids (None: the rows are the vocabulary)."""
         embed = embed.detach().float().contiguous()
         head_ids = None if head_ids is None else head_ids.to(torch.int64).contiguous()
         self._keep = [embed, fc, head, head_ids, decoder]
         self.hidden = decoder.layout.hidden
         self.layout = _FeatureStepLayout(
-            embed.data_ptr(), *(_Linear(lin.weight.data_ptr(), None if lin.scales is None else lin.scales.data_ptr(),
-                                        FORMAT_CODES[lin.format]) for lin in (fc, head)),
+            embed.data_ptr(), _linear(fc), _linear(head),
             None if head_ids is None else head_ids.data_ptr(), ctypes.pointer(decoder.layout), embed.shape[1],
             head.out_features)
 

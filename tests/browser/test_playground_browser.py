@@ -167,27 +167,33 @@ def test_the_readme_picture_is_a_default_pair_run_at_the_page_defaults(default_p
 def test_the_key_charts_draw_live_lines_while_the_run_streams_then_plotly_takes_over(default_playground_url):
     """While a run streams, the throughput and divergence charts show the live feed's lines on a
     canvas over each chart (no Plotly redraw on the engine's cores); once the run ends the full
-    Plotly charts are drawn and the canvases go. (A 256-token default-pair run lasts many feed
-    frames on any machine here; the line is waited for, not timed.)"""
+    Plotly charts are drawn and the canvases go. Each canvas is seen, and its ink counted, by an
+    observer installed before the click, when the page script adds it: a run that ends between
+    two looks (a fast machine's 256 tokens last a handful of feed frames) cannot hide it."""
     expect = sync_api.expect
     with _open_page(default_playground_url) as page:
+        page.evaluate("""() => {
+            window.liveInk = {};
+            new MutationObserver((changes) => {
+                for (const change of changes) for (const c of change.addedNodes) {
+                    if (!(c instanceof HTMLCanvasElement) || !c.classList.contains('live-preview')) continue;
+                    const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                    let ink = 0;
+                    for (let i = 0; i < d.length; i += 4) ink += d[i] < 200 || d[i + 1] < 200 || d[i + 2] < 200;
+                    const chart = c.parentElement.id;
+                    window.liveInk[chart] = Math.max(window.liveInk[chart] || 0, ink);
+                }
+            }).observe(document.documentElement, {subtree: true, childList: true});
+        }""")
         max_new = page.get_by_label("number input for max new tokens")
         max_new.fill("256")
         max_new.press("Enter")
         page.click("#generate-btn")
-        for chart in ("chart-throughput", "chart-divergence"):
-            page.wait_for_selector(f"#{chart} canvas.live-preview", timeout=180_000)
-        inked = page.evaluate("""() => {
-            const c = document.querySelector('#chart-throughput canvas.live-preview');
-            const g = c.getContext('2d'), d = g.getImageData(0, 0, c.width, c.height).data;
-            let ink = 0;
-            for (let i = 0; i < d.length; i += 4) ink += d[i] < 200 || d[i + 1] < 200 || d[i + 2] < 200;
-            return ink;
-        }""")
-        assert inked > 200, inked  # a title, axes and a line, not a blank box
         expect(page.locator("#status")).to_contain_text("finished", timeout=180_000)
         page.wait_for_function("!document.querySelector('canvas.live-preview')")
+        ink = page.evaluate("window.liveInk")
         for chart in ("chart-throughput", "chart-divergence"):
+            assert ink.get(chart, 0) > 200, ink  # a title, axes and a line, not a blank box
             _wait_for_traces(page, chart)
 
 
