@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.models import HFCausalLM, load_pair
+from engine.models import cpu_kernels
 from engine.models.fast_llama import FastLlamaCausalLM, fast_backend_supported
 
 ATOL = 1e-4  # tiny-model logits are O(10); float32 reordering differences are ~1e-5
@@ -192,3 +193,30 @@ def test_default_target_q4_1_a16_stays_within_activation_rounding_of_float32():
         a16.reset()
         f32.reset()
         assert _greedy(a16, prompt, 24) == _greedy(f32, prompt, 24)
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16", "int8", "q4_1", "q4_1_a16"])
+def test_one_native_call_per_forward_gives_the_same_bits(tiny, weight_dtype):
+    """`cpu_kernels.TargetStep` (the embedding rows, the layers and the head in one call) against the same
+    steps one call at a time: identical logits and hidden states through a long prefill (the wide GEMMs),
+    decodes, a verify, the cache's growth and a rollback; a bad token id is refused before any work."""
+    fused, plain = (FastLlamaCausalLM(tiny.target_model, "fast", tiny.vocab_size, weight_dtype=weight_dtype,
+                                      max_length=16) for _ in range(2))
+    if fused._step is None:
+        pytest.skip("the native kernels did not build")
+    plain._step = None
+    prompt = tiny.encode_prompt("The quick brown fox jumps over the lazy dog. " * 3)
+    assert len(prompt) >= cpu_kernels.WIDE_MIN_ROWS
+    steps = [(prompt, 3), ([65], 1), ([66], 1), ([70, 71, 72, 73, 74], 5), ("rollback", 2), ([75, 76], 1)]
+    for tokens, last_n in steps:
+        if tokens == "rollback":
+            fused.rollback(fused.length - last_n)
+            plain.rollback(plain.length - last_n)
+            continue
+        a, b = fused.forward(tokens, last_n), plain.forward(tokens, last_n)
+        assert a.shape == (last_n, tiny.vocab_size) and torch.equal(a, b), (weight_dtype, tokens)
+        assert torch.equal(fused.last_hidden, plain.last_hidden)
+    assert fused.length == plain.length and fused.num_forwards == plain.num_forwards
+    with pytest.raises(IndexError, match="token ids"):
+        fused.forward([fused.w.embed.shape[0]])
+    assert fused.length == plain.length

@@ -1160,6 +1160,23 @@ int64_t sample_draw(const float *logits, int64_t vocab, int64_t w, float tempera
 }
 #pragma GCC pop_options
 
+// A target forward as one call (FastLlamaCausalLM._forward): the embedding rows of n tokens, the
+// decoder stack at cache slots [slot, slot + n) -> final-norm hidden states into hidden [n, H], then
+// the head on the last `last_n` of them into logits [last_n, head_rows]. The same kernels in the same
+// order as that method's op-by-op path, so the same bits; there the ~10 torch ops around the two
+// native calls cost 0.4 ms a forward on a VM whose caches the forward left cold (AMD EPYC Zen 4,
+// assets/FAST_BACKEND.md, session 23).
+void target_forward(const Decoder *d, const float *embed, const Linear *head, int64_t head_rows,
+                    const int64_t *tokens, int64_t n, float *k_cache, float *v_cache, int64_t cap,
+                    const float *rope, int64_t slot, int wide, int64_t last_n, float *hidden, float *logits) {
+    const int64_t H = d->hidden;
+    float *x = malloc(n * H * sizeof(float));
+    for (int64_t j = 0; j < n; j++) memcpy(x + j * H, embed + tokens[j] * H, H * sizeof(float));
+    decoder_forward(d, x, n, k_cache, v_cache, cap, rope, slot, NULL, wide, hidden);
+    decoder_linear(head, hidden + (n - last_n) * H, last_n, H, head_rows, logits, 0);
+    free(x);
+}
+
 // One step of a feature draft (engine.feature_drafter): x_j = fc([embed(t_j); f_{j-1}]) for n
 // entries, the draft's decoder stack on them at cache slots [slot, slot + n) -> their f̂ into out
 // [n, hidden], then the head on the last f̂ and sample_draw with u into ids, probs [w]; returns the

@@ -167,6 +167,9 @@ def load(isa: str) -> ctypes.CDLL | None:
     lib.feature_draft_step.restype = i64
     lib.feature_draft_step.argtypes = [ctypes.POINTER(_FeatureStepLayout), ptr, i64, ptr, ptr, ptr, i64, ptr, i64,
                                        ctypes.c_int, ptr, i64, f32, f32, f32, ptr, ptr]
+    lib.target_forward.restype = None
+    lib.target_forward.argtypes = [ctypes.POINTER(_DecoderLayout), ptr, ctypes.POINTER(_Linear), i64, ptr, i64, ptr,
+                                   ptr, i64, ptr, i64, ctypes.c_int, i64, ptr, ptr]
     lib.kernel_vector_width.restype, lib.kernel_vector_width.argtypes = ctypes.c_int, []
     if lib.kernel_vector_width() != ISAS[isa].vector_width:
         raise RuntimeError(f"the {isa} build of cpu_kernels.c reports {lib.kernel_vector_width()}-float vectors")
@@ -367,6 +370,31 @@ class NativeDecoder:
                                    v_cache.data_ptr(), k_cache.shape[2], rope.data_ptr(), slot,
                                    None if mask is None else mask.data_ptr(), int(wide), out.data_ptr())
         return out
+
+
+class TargetStep:
+    """A target forward as one native call (`target_forward` in cpu_kernels.c): the embedding rows,
+    the decoder stack and the head on the last rows, bit for bit what `FastLlamaCausalLM._forward`
+    computes one call at a time. The weights stay owned by the caller's tensors (referenced here)."""
+
+    def __init__(self, embed: torch.Tensor, head, decoder: NativeDecoder) -> None:
+        """embed float32 [vocab, H]; head [rows, H] as `NativeDecoder`'s GEMMs (`weight`, `scales`, `format`)."""
+        embed = embed.detach().float().contiguous()
+        self._keep = [embed, head, decoder]
+        self.hidden, self.vocab, self.head_rows = decoder.layout.hidden, embed.shape[0], head.out_features
+        self._embed, self._head, self._decoder = embed.data_ptr(), _linear(head), ctypes.pointer(decoder.layout)
+
+    def __call__(self, tokens: Sequence[int], cache: tuple[int, int, int, int, int, bool], last_n: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed `tokens` at `cache` (`FastLlamaCausalLM.native_slots`): (hidden [n, H], logits [last_n, rows])."""
+        n = len(tokens)
+        ids = (ctypes.c_int64 * n)(*tokens)
+        if min(ids) < 0 or max(ids) >= self.vocab:
+            raise IndexError(f"token ids must be in [0, {self.vocab}), got {list(ids)}")
+        hidden, logits = torch.empty(n, self.hidden), torch.empty(last_n, self.head_rows)
+        _library().target_forward(self._decoder, self._embed, ctypes.byref(self._head), self.head_rows, ids, n,
+                                  *cache, last_n, hidden.data_ptr(), logits.data_ptr())
+        return hidden, logits
 
 
 class FeatureStep:

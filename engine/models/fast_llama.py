@@ -222,6 +222,14 @@ class FastLlamaWeights:
                                          eps=self.eps)
 
     @cached_property
+    def target_step(self) -> cpu_kernels.TargetStep | None:
+        """A whole forward (embedding rows, layers, head) as one native call, where the layers and the
+        head both run on the kernels."""
+        if self.native_decoder is None or not self.lm_head.native:
+            return None
+        return cpu_kernels.TargetStep(self.embed, self.lm_head, self.native_decoder)
+
+    @cached_property
     def lm_head(self) -> PackedLinear:
         """Converted on first use: a feature draft runs its layers through this backend but never
         this head (it has its own reduced one), so it should not pay for converting it."""
@@ -349,9 +357,20 @@ class FastLlamaCausalLM(CausalLM):
         n = len(tokens)
         if not 1 <= last_n <= n:
             raise ValueError(f"last_n must be in [1, {n}], got {last_n}")
-        h = self._decode(self.w.embed[torch.tensor(list(tokens))])
-        self.last_hidden = h
-        return self.w.lm_head(h[n - last_n:])[:, : self.vocab_size]
+        slots = None if self._step is None else self.native_slots(n)
+        if slots is not None:
+            self.last_hidden, logits = self._step(tokens, slots, last_n)
+        else:
+            h = self._decode(self.w.embed[torch.tensor(list(tokens))])
+            self.last_hidden = h
+            logits = self.w.lm_head(h[n - last_n:])
+        return logits if logits.shape[1] == self.vocab_size else logits[:, : self.vocab_size]
+
+    @cached_property
+    def _step(self) -> cpu_kernels.TargetStep | None:
+        """The weights' one-call forward (looked up on the first forward: a feature draft that runs its
+        layers here never converts the head)."""
+        return self.w.target_step
 
     @torch.inference_mode()
     def _forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
