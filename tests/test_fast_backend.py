@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models import HFCausalLM, load_pair
-from engine.models import cpu_kernels
+from engine.models import HFCausalLM, cpu_kernels, load_pair
 from engine.models.fast_llama import FastLlamaCausalLM, fast_backend_supported
 
 ATOL = 1e-4  # tiny-model logits are O(10); float32 reordering differences are ~1e-5

@@ -1164,7 +1164,7 @@ int64_t sample_draw(const float *logits, int64_t vocab, int64_t w, float tempera
 // decoder stack at cache slots [slot, slot + n) -> final-norm hidden states into hidden [n, H], then
 // the head on the last `last_n` of them into logits [last_n, head_rows]. The same kernels in the same
 // order as that method's op-by-op path, so the same bits; there the ~10 torch ops around the two
-// native calls cost 0.4 ms a forward on a VM whose caches the forward left cold (AMD EPYC Zen 4,
+// native calls cost 0.3-0.4 ms a forward on a VM whose caches the forward left cold (AMD EPYC Zen 4,
 // assets/FAST_BACKEND.md, session 23).
 void target_forward(const Decoder *d, const float *embed, const Linear *head, int64_t head_rows,
                     const int64_t *tokens, int64_t n, float *k_cache, float *v_cache, int64_t cap,
