@@ -357,9 +357,8 @@ class FastLlamaCausalLM(CausalLM):
         n = len(tokens)
         if not 1 <= last_n <= n:
             raise ValueError(f"last_n must be in [1, {n}], got {last_n}")
-        slots = None if self._step is None else self.native_slots(n)
-        if slots is not None:
-            self.last_hidden, logits = self._step(tokens, slots, last_n)
+        if self._step is not None:
+            self.last_hidden, logits = self._step(tokens, self.native_slots(n), last_n)
         else:
             h = self._decode(self.w.embed[torch.tensor(list(tokens))])
             self.last_hidden = h
@@ -376,14 +375,12 @@ class FastLlamaCausalLM(CausalLM):
     def _forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
         return self._decode(embeds.float().clone())
 
-    def native_slots(self, n: int) -> tuple[int, int, int, int, int, bool] | None:
-        """Where n more input vectors go through the native decoder, as `cpu_kernels.FeatureStep` takes
-        them: (k cache, v cache, capacity, rope rows from position `length`, first slot, wide), the
-        cache grown first if needed (pointers kept from the allocation: no torch op here, which after a
-        forward would cost tens of microseconds). None where `_decode` would not run the native decoder.
-        The caller books the forward (`book_forward`)."""
-        if _glue() is not cpu_kernels or self.w.native_decoder is None:
-            return None
+    def native_slots(self, n: int) -> tuple[int, int, int, int, int, bool]:
+        """Where n more input vectors go through the native decoder, as `cpu_kernels.FeatureStep` and
+        `TargetStep` take them: (k cache, v cache, capacity, rope rows from position `length`, first slot,
+        wide), the cache grown first if needed (pointers kept from the allocation: no torch op here,
+        which after a forward would cost tens of microseconds). For callers that hold a native step,
+        which exists only where `w.native_decoder` does. The caller books the forward (`book_forward`)."""
         pos = self.length
         self._ensure_capacity(pos + n)
         k, v, rope, row_bytes = self._pointers
