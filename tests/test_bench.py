@@ -77,6 +77,21 @@ def test_profile_shows_each_phase_and_what_a_cold_python_step_costs(capsys):
     assert all(phase in profile for phase in ("draft_forward", "sampling_rule", "rollback", "between_rounds"))
     cold = re.search(r"right after a target forward: ([\d.]+) us; right after another: ([\d.]+) us", profile)
     assert cold and float(cold.group(1)) > 0 and float(cold.group(2)) > 0
+    assert "forwards_only_vs_ar" in profile
+
+
+def test_forwards_only_speedup_is_the_ceiling_with_every_overhead_phase_free(tmp_path):
+    bench.main(["--pair", "tiny", "--methods", "ar,sps", "--peers", "", "--prompts", "1", "--repeats", "1",
+                "--max-new-tokens", "8", "--k", "2", "--profile", "--json", str(tmp_path / "rows.json")])
+    rows = {r["method"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+    assert rows["ar"]["forwards_only_speedup"] == 1.0
+    sps, ar_forward = rows["sps"], rows["ar"]["profile_ms_per_round"]["verify_forward"]
+    forwards = sps["profile_ms_per_round"]["draft_forward"] + sps["profile_ms_per_round"]["verify_forward"]
+    assert sps["forwards_only_speedup"] == pytest.approx(sps["mean_acceptance_length"] * ar_forward / forwards)
+    # By hand: 1.5 tokens a round for 1 + 4 ms of forwards, against AR's 3 ms a token.
+    row = {"method": "sps", "mean_acceptance_length": 1.5,
+           "profile_ms_per_round": {"draft_forward": 1.0, "verify_forward": 4.0}}
+    assert bench.forwards_only_speedup(row, {"profile_ms_per_round": {"verify_forward": 3.0}}) == pytest.approx(0.9)
 
 
 def test_bench_rejects_unknown_methods():
