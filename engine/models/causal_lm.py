@@ -118,12 +118,23 @@ class HFCausalLM(CausalLM):
                          output_hidden_states=self.keep_hidden)
         if self.keep_hidden:
             self.last_hidden = out.hidden_states[-1][0].float()
-        return out.logits[0, -last_n:, : self.vocab_size].float()
+        logits = out.logits[0, -last_n:, : self.vocab_size].float()
+        self._finish()
+        return logits
+
+    def _finish(self) -> None:
+        """On a GPU, wait for the forward's kernels: the caller times a forward from its return
+        (verify_seconds, SSD's timeline), and without this it would time the launches alone and
+        charge the GPU's work to whatever synchronises next (the rule, or the draft)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def _forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
         out = self.model.model(inputs_embeds=embeds[None].to(self.device), cache=self.cache, use_cache=True)
-        return out.last_hidden_state[0].float()
+        hidden = out.last_hidden_state[0].float()
+        self._finish()
+        return hidden
 
     def _crop(self, tokens_to_remove: int) -> None:
         self.cache.crop(-tokens_to_remove)
