@@ -139,6 +139,8 @@ class FeatureDrafter(Drafter):
         verification, exactly what `propose` feeds), else the draft's own f̂ of position p - 1
         (an SSD cache branch: the target is verifying that position right now), and each later
         branch token feeds the f̂ its branch just produced -- the drafting recurrence, per branch.
+        Where the synchronous step is native and the draw's support small, each depth is one native
+        call (`cpu_kernels.FeatureStep.tree`, the same bits as the torch path below).
         """
         if not hasattr(self.lm, "forward_tree_embeds") or not forks:
             return super().propose_branches(context, speculation, forks, k, params, uniforms, shape, stop)
@@ -158,20 +160,29 @@ class FeatureDrafter(Drafter):
         own = torch.zeros(n, 0, dtype=torch.bool)
         eye = torch.eye(n, dtype=torch.bool)
         tokens, ids, rows = [], [], []
+        width = None if shape is not None or self._step is None else native_width_for(params, self._step.layout.head_rows)
+        temperature, top_p = (1.0, 1.0) if params.greedy else (params.temperature, params.top_p)
         for i in range(k):
             if stop is not None and stop():
                 break
             own = torch.cat([own, eye], dim=1)
-            x = self._input(feed, feature)
-            feature = self.lm.forward_tree_embeds(x, (positions - 1 + i).tolist(), base + i * n,
-                                                  torch.cat([visible, own], dim=1))
-            if shape is None:  # as `propose` draws: sparse rows where the support is small
-                drawn, support, probs = self._draw(feature, params, uniforms[:, i].tolist())
-                feed = torch.tensor(drawn)
+            at, slot, mask = (positions - 1 + i).tolist(), base + i * n, torch.cat([visible, own], dim=1)
+            if width is not None:  # fc, the layer, the head and every branch's draw in one native call
+                start = time.perf_counter()
+                cache, rope, additive = self.lm.native_tree_slots(at, slot, mask)
+                feed, support, probs, feature = self._step.tree(feed, feature.contiguous(), cache, rope, slot, additive,
+                                                                width, temperature, top_p, uniforms[:, i])
+                self.lm.book_forward(0, start)  # tree entries sit past the cache's length: none appended
                 ids.append(support)
             else:
-                probs = shape(logits_to_probs(self._logits(feature), params), i)
-                feed = sample_from(probs, uniforms[:, i])
+                feature = self.lm.forward_tree_embeds(self._input(feed, feature), at, slot, mask)
+                if shape is None:  # as `propose` draws: sparse rows where the support is small
+                    drawn, support, probs = self._draw(feature, params, uniforms[:, i].tolist())
+                    feed = torch.tensor(drawn)
+                    ids.append(support)
+                else:
+                    probs = shape(logits_to_probs(self._logits(feature), params), i)
+                    feed = sample_from(probs, uniforms[:, i])
             tokens.append(feed)
             rows.append(probs)
         sparse = bool(ids) and ids[0] is not None

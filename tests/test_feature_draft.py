@@ -226,6 +226,34 @@ def test_branch_tree_matches_one_branch_at_a_time(feature_pair, top_k):
     torch.testing.assert_close(torch.softmax(rows[0], -1), first, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("weight_dtype", ["float32", "q4_1_a16"])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=20, top_p=0.9), SamplingParams()])
+def test_native_tree_step_drafts_the_same_bits_as_the_torch_tree(feature_pair, weight_dtype, params):
+    """SSD's cache fill, one native call per depth (`FeatureStep.tree`) against the torch tree path:
+    the same branch tokens, supports and probabilities, bit for bit, and the same forward count."""
+    if not cpu_kernels.available():
+        pytest.skip("the native kernels did not build")
+    tokens = feature_pair.encode_prompt("branches") + [11, 12, 13]
+    feats = _features(feature_pair, "fast", tokens)[:-1]
+    fused, plain = (feature_pair.make_drafter("model", "fast", weight_dtype) for _ in range(2))
+    assert fused._step is not None
+    plain._step = None
+    forks = [(0, 7), (1, 9), (2, 11), (3, 13), (3, 14)]
+    uniforms = torch.rand(len(forks), 3)
+    drafted = []
+    for drafter in (fused, plain):
+        drafter.start()
+        drafter.observe_target(0, feats)
+        spec = drafter.propose(tokens, 3, params, torch.full((3,), 0.5)).tokens
+        drafted.append((spec, drafter.propose_branches(tokens, spec, forks, 3, params, uniforms)))
+    (spec_a, got), (spec_b, want) = drafted
+    assert spec_a == spec_b
+    for a, b in zip(got, want):
+        assert a.tokens == b.tokens
+        assert torch.equal(a.support[0], b.support[0]) and torch.equal(a.support[1], b.support[1])
+    assert fused.lm.num_forwards == plain.lm.num_forwards and fused.lm.length == plain.lm.length
+
+
 def test_features_observed_a_round_at_a_time_past_the_buffer_match_one_observation(feature_pair, backend):
     """The feature buffer grows past its first 256 rows while rounds observe a few features each
     and roll some back: drafting then matches a drafter that observed them all at once."""

@@ -1192,21 +1192,51 @@ typedef struct {
     int64_t embed_dim, head_rows;
 } FeatureStep;
 
-int64_t feature_draft_step(const FeatureStep *s, const int64_t *tokens, int64_t n, const float *features,
-                           float *k_cache, float *v_cache, int64_t cap, const float *rope, int64_t slot, int wide,
-                           float *out, int64_t w, float temperature, float top_p, float u, int64_t *ids,
-                           float *probs) {
+// x_j = fc([embed(t_j); f_{j-1}]) for the n entries, then the draft's decoder stack on them at cache slots
+// [slot, slot + n) (mask: a tree's additive [n, slot + n] visibility, NULL: causal) -> their f̂ into out.
+static void feature_forward(const FeatureStep *s, const int64_t *tokens, int64_t n, const float *features,
+                            float *k_cache, float *v_cache, int64_t cap, const float *rope, int64_t slot,
+                            const float *mask, int wide, float *out) {
     const int64_t H = s->decoder->hidden, E = s->embed_dim, K = E + H, Kp = (K + GROUP - 1) / GROUP * GROUP;
     float *in = calloc(n * Kp, sizeof(float)), *x = malloc(n * H * sizeof(float));
-    float *logits = malloc(s->head_rows * sizeof(float));
     for (int64_t j = 0; j < n; j++) {  // [embed(t_j); f_{j-1}], zero-padded to Kp as pad_to_group
         memcpy(in + j * Kp, s->embed + tokens[j] * E, E * sizeof(float));
         memcpy(in + j * Kp + E, features + j * H, H * sizeof(float));
     }
     decoder_linear(&s->fc, in, n, Kp, H, x, 0);
-    decoder_forward(s->decoder, x, n, k_cache, v_cache, cap, rope, slot, NULL, wide, out);
+    decoder_forward(s->decoder, x, n, k_cache, v_cache, cap, rope, slot, mask, wide, out);
+    free(in); free(x);
+}
+
+int64_t feature_draft_step(const FeatureStep *s, const int64_t *tokens, int64_t n, const float *features,
+                           float *k_cache, float *v_cache, int64_t cap, const float *rope, int64_t slot, int wide,
+                           float *out, int64_t w, float temperature, float top_p, float u, int64_t *ids,
+                           float *probs) {
+    const int64_t H = s->decoder->hidden;
+    float *logits = malloc(s->head_rows * sizeof(float));
+    feature_forward(s, tokens, n, features, k_cache, v_cache, cap, rope, slot, NULL, wide, out);
     decoder_linear(&s->head, out + (n - 1) * H, 1, H, s->head_rows, logits, 0);
     const int64_t token = sample_draw(logits, s->head_rows, w, temperature, top_p, s->head_ids, u, ids, probs);
-    free(in); free(x); free(logits);
+    free(logits);
     return token;
+}
+
+// One depth of SSD's cache fill (FeatureDrafter.propose_branches): n branch entries at cache slots
+// [slot, slot + n), each with its own position's rope row and the tree's additive visibility mask
+// [n, slot + n], the head on every f̂ and one draw per branch with its own uniform u[j] into
+// drawn [n], ids, probs [n, w]. The same kernels in the same order as that path's tree step (fc,
+// decoder_forward with the mask, the head on the n rows, sample_draw per row), so the same bits;
+// there the draws alone were a torch sampling pass per branch (about 37 us each, 0.47 of 0.77 ms
+// a step at 12 branches, AMD EPYC Zen 5).
+void feature_tree_step(const FeatureStep *s, const int64_t *tokens, int64_t n, const float *features,
+                       float *k_cache, float *v_cache, int64_t cap, const float *rope, int64_t slot,
+                       const float *mask, float *out, int64_t w, float temperature, float top_p, const float *u,
+                       int64_t *drawn, int64_t *ids, float *probs) {
+    const int64_t H = s->decoder->hidden, V = s->head_rows;
+    float *logits = malloc(n * V * sizeof(float));
+    feature_forward(s, tokens, n, features, k_cache, v_cache, cap, rope, slot, mask, 0, out);
+    decoder_linear(&s->head, out, n, H, V, logits, 0);
+    for (int64_t j = 0; j < n; j++)
+        drawn[j] = sample_draw(logits + j * V, V, w, temperature, top_p, s->head_ids, u[j], ids + j * w, probs + j * w);
+    free(logits);
 }

@@ -167,6 +167,9 @@ def load(isa: str) -> ctypes.CDLL | None:
     lib.feature_draft_step.restype = i64
     lib.feature_draft_step.argtypes = [ctypes.POINTER(_FeatureStepLayout), ptr, i64, ptr, ptr, ptr, i64, ptr, i64,
                                        ctypes.c_int, ptr, i64, f32, f32, f32, ptr, ptr]
+    lib.feature_tree_step.restype = None
+    lib.feature_tree_step.argtypes = [ctypes.POINTER(_FeatureStepLayout), ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr,
+                                      ptr, i64, f32, f32, ptr, ptr, ptr, ptr]
     lib.target_forward.restype = None
     lib.target_forward.argtypes = [ctypes.POINTER(_DecoderLayout), ptr, ctypes.POINTER(_Linear), i64, ptr, i64, ptr,
                                    ptr, i64, ptr, i64, ctypes.c_int, i64, ptr, ptr]
@@ -430,6 +433,24 @@ class FeatureStep:
             ctypes.byref(self.layout), (ctypes.c_int64 * n)(*tokens), n, features.data_ptr(), *cache, out.data_ptr(),
             width, temperature, top_p, uniform, ids.data_ptr(), probs.data_ptr())
         return token, ids, probs, out
+
+    def tree(self, tokens: torch.Tensor, features: torch.Tensor, cache: tuple[int, int, int], rope: torch.Tensor,
+             slot: int, mask: torch.Tensor, width: int, temperature: float, top_p: float, uniforms: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One tree depth (`feature_tree_step`): branch tokens [n] with input features [n, H] at cache slots
+        [slot, slot + n) of `cache` = (k cache, v cache, capacity) as pointers and size, with rope rows
+        [n, ...] and the additive mask [n, slot + n] (contiguous float32), one draw per branch with
+        uniforms [n]: (tokens [n], ids [n, width], probs [n, width], f̂ [n, H])."""
+        n = len(tokens)
+        tokens = tokens.to(torch.int64).contiguous()
+        uniforms = uniforms.float().contiguous()
+        out, drawn = torch.empty(n, self.hidden), torch.empty(n, dtype=torch.long)
+        ids, probs = torch.empty(n, width, dtype=torch.long), torch.empty(n, width)
+        _library().feature_tree_step(
+            ctypes.byref(self.layout), tokens.data_ptr(), n, features.data_ptr(), *cache, rope.data_ptr(), slot,
+            mask.data_ptr(), out.data_ptr(), width, temperature, top_p, uniforms.data_ptr(), drawn.data_ptr(),
+            ids.data_ptr(), probs.data_ptr())
+        return drawn, ids, probs, out
 
 
 # ---- sampling kernels ----

@@ -386,6 +386,14 @@ class FastLlamaCausalLM(CausalLM):
         k, v, rope, row_bytes = self._pointers
         return k, v, self.max_length, rope + pos * row_bytes, pos, pos == 0 and n >= cpu_kernels.WIDE_MIN_ROWS
 
+    def native_tree_slots(self, positions: Sequence[int], slot: int, visible: torch.Tensor
+                          ) -> tuple[tuple[int, int, int], torch.Tensor, torch.Tensor]:
+        """What a tree step through a native step (`cpu_kernels.FeatureStep.tree`) needs, as `forward_tree`
+        lays it out: ((k cache, v cache, capacity), the positions' rope rows, the additive mask)."""
+        rope, mask = self._tree_layout(positions, slot, visible)
+        k, v, _, _ = self._pointers
+        return (k, v, self.max_length), rope, mask
+
     def _decode(self, x: torch.Tensor, tree: tuple[torch.Tensor, int, torch.Tensor] | None = None) -> torch.Tensor:
         """Run the layers on input vectors x [n, hidden] at positions length..length+n; return the
         final-norm hidden states [n, hidden]. x is consumed (the residual stream is updated in place).
@@ -433,15 +441,20 @@ class FastLlamaCausalLM(CausalLM):
         return h
 
     def _tree_hidden(self, x: torch.Tensor, positions: Sequence[int], slot: int, visible: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        if slot < self.length or len(positions) != n or tuple(visible.shape) != (n, slot + n):
-            raise ValueError(f"tree forward needs slot >= length ({self.length}), {n} positions and a "
-                             f"[{n}, {slot + n}] visibility mask; got slot {slot}, {len(positions)} positions, "
-                             f"mask {tuple(visible.shape)}")
+        if len(positions) != x.shape[0]:
+            raise ValueError(f"tree forward needs one position per input row: {x.shape[0]} rows, {len(positions)} positions")
+        rope, mask = self._tree_layout(positions, slot, visible)
+        return self._decode(x, (rope, slot, mask))
+
+    def _tree_layout(self, positions: Sequence[int], slot: int, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rope rows of `positions`, additive mask from `visible`), the cache grown to hold the tree."""
+        n = len(positions)
+        if slot < self.length or tuple(visible.shape) != (n, slot + n):
+            raise ValueError(f"tree forward needs slot >= length ({self.length}) and a [{n}, {slot + n}] "
+                             f"visibility mask; got slot {slot}, mask {tuple(visible.shape)}")
         self._ensure_capacity(max(slot + n, max(positions) + 1))
         mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-        rope = self.rope[torch.tensor(list(positions))]
-        return self._decode(x, (rope, slot, mask))
+        return self.rope[torch.tensor(list(positions))], mask
 
     def _crop(self, tokens_to_remove: int) -> None:
         pass  # positions >= self.length are simply overwritten by the next forward
