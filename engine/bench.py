@@ -548,6 +548,9 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         if m == SSD_METHOD:
             row.update(fanout=args.fanout, fanout_mode=args.fanout_mode, budget=cfg.ssd_cache_budget,
                        downweight_c=args.downweight_c, backup=args.backup)
+            sps_reps = runs.get(("sps", k, wd))
+            if sps_reps:
+                row.update(ssd_against_sps(row, reps, sps_reps))
         rows.append(row)
     if vllm:
         from engine.peers.vllm_peer import bench_rows
@@ -566,11 +569,13 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
             "draft_acceptance_rate", "target_forwards_per_token", "mean_induced_kl", "overhead_fraction",
             "draft_ms_per_token", "verify_ms_per_round", "cache_hit_rate", "mean_budget_used", "mean_cache_depth",
             "projected_tokens_per_s", "model_tokens_per_s", "theoretical_speedup", "measured_speedup",
-            *SSD_PHASE_KEYS, "backend", "devices"]
+            "vs_sps", "vs_sps_runs", "hit_ceiling_vs_sps", *SSD_PHASE_KEYS, "backend", "devices"]
     with pd.option_context("display.width", 200, "display.max_columns", 40, "display.float_format", "{:.3f}".format):
         shown = table[[c for c in cols if c in table.columns]].copy()
-        shown["speedup_vs_ar_runs"] = shown["speedup_vs_ar_runs"].map(
-            lambda ratios: "/".join(f"{x:.2f}" for x in ratios) if isinstance(ratios, list) else None)
+        for runs_column in ("speedup_vs_ar_runs", "vs_sps_runs"):
+            if runs_column in shown:
+                shown[runs_column] = shown[runs_column].map(
+                    lambda ratios: "/".join(f"{x:.2f}" for x in ratios) if isinstance(ratios, list) else None)
         print(shown)
     if args.profile:
         for row in rows:
@@ -582,6 +587,21 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2, default=float)
     return table
+
+
+def ssd_against_sps(row: dict, reps: Sequence[dict], sps_reps: Sequence[dict]) -> dict:
+    """An SSD row against SpS at the same K in the same repeats: `vs_sps` (the median of the per-repeat
+    ratios, `vs_sps_runs`) and `hit_ceiling_vs_sps`, the most SSD can gain over that SpS, Corollary 9's
+    upper bound (ALGORITHMS.md §4.2) with every round a hit and as many tokens a round as SpS:
+    1 + T_SD, SpS's draft time a round over its verification. A hit hides the draft and nothing else,
+    so where drafting is a tenth of SpS's round no hit rate makes SSD 1.1x; the worker slowing the
+    verification it shares the machine with only lowers the bound further."""
+    sps = {key: statistics.median(r[key] for r in sps_reps if r.get(key) is not None)
+           for key in ("draft_ms_per_token", "verify_ms_per_round") if any(r.get(key) is not None for r in sps_reps)}
+    ratios = [r["tokens_per_s"] / base["tokens_per_s"] for r, base in zip(reps, sps_reps)]
+    ceiling = (1 + sps["draft_ms_per_token"] * row["k"] / sps["verify_ms_per_round"]
+               if len(sps) == 2 and sps["verify_ms_per_round"] else None)
+    return {"vs_sps_runs": ratios, "vs_sps": statistics.median(ratios), "hit_ceiling_vs_sps": ceiling}
 
 
 def forwards_only_speedup(row: dict, ar_row: dict) -> float | None:

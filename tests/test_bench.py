@@ -126,6 +126,20 @@ def test_bench_runs_ssd_next_to_sps_with_devices_and_hit_rate(tmp_path):
     assert rows["ssd"]["new_tokens"] == rows["sps"]["new_tokens"] == 24
     assert rows["ssd"]["cache_hit_rate"] is not None and rows["ssd"]["budget"] == 12
     assert "draft=cpu:1" in rows["ssd"]["devices"] and rows["sps"].get("cache_hit_rate") is None
+    ssd, sps = rows["ssd"], rows["sps"]
+    assert ssd["vs_sps_runs"] == [ssd["tokens_per_s"] / sps["tokens_per_s"]] == [ssd["vs_sps"]]
+    assert ssd["hit_ceiling_vs_sps"] == 1 + sps["draft_ms_per_token"] * ssd["k"] / sps["verify_ms_per_round"]
+
+
+def test_ssd_hit_ceiling_is_one_plus_the_sps_draft_over_its_verify():
+    """Corollary 9's upper bound by hand: SpS drafting 2 x 0.25 ms against a 5 ms verification
+    leaves SSD at most 1.1x, whatever its hit rate; per-repeat ratios pair the same repeats."""
+    sps = [{"tokens_per_s": 100.0, "draft_ms_per_token": 0.25, "verify_ms_per_round": 5.0},
+           {"tokens_per_s": 200.0, "draft_ms_per_token": 0.25, "verify_ms_per_round": 5.0}]
+    ssd = [{"tokens_per_s": 90.0}, {"tokens_per_s": 210.0}]
+    got = bench.ssd_against_sps({"k": 2}, ssd, sps)
+    assert got["hit_ceiling_vs_sps"] == pytest.approx(1.1)
+    assert got["vs_sps_runs"] == pytest.approx([0.9, 1.05]) and got["vs_sps"] == pytest.approx(0.975)
 
 
 def test_bench_refuses_bad_ssd_devices():
