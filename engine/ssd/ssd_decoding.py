@@ -361,13 +361,11 @@ class SSDEngine:
                 else:  # drafted here: by choice (LOCAL), or the worker is gone
                     proposal, source = None, LOCAL if worker_ok and backup == LOCAL else "sync"
                     row.drafted_here = True
-                before = row.target.forward_seconds
                 # The draft time on the critical path is the wait for the reply (charged to the first row).
                 lookup = row.lookup if looked_up else None
                 v = self._verify(row, cfg, proposal, wait_seconds if not verified else 0.0, start, i, spans, eos)
-                seconds = row.target.forward_seconds - before
-                verify_seconds += seconds
-                verify_full += seconds * self._full_machine_ratio(v.rows)
+                verify_seconds += v.verify_seconds
+                verify_full += v.verify_seconds * self._full_machine_ratio(v.rows)
                 planner.observe_round(v.num_accepted, len(v.proposal.tokens))
                 verified.append((i, row, v, source, lookup, item))
             # The outcome is known: ask for the next speculation now, so that the worker serves it
@@ -549,7 +547,7 @@ class SSDEngine:
         proposal = proposal.prefix(max(k, 0))
         draft_seconds = wait_seconds + time.perf_counter() - draft_before
 
-        verify_start = time.perf_counter()
+        verify_start, forward_before = time.perf_counter(), row.target.forward_seconds
         fed_from = row.target.length
         feed = ([] if row.pending_logits is not None else [row.context[-1]]) + proposal.tokens
         logits = row.target.forward(feed, last_n=len(feed)) if feed else row.pending_logits[:0]
@@ -580,7 +578,7 @@ class SSDEngine:
         if row.finished is None and len(row.generated) >= cfg.max_new_tokens:
             row.finished = "max_new_tokens"
         return _Verified(target_probs, proposal, result, num_accepted, new_tokens, first_index, len(feed),
-                         draft_seconds, verify_end - verify_start, bool(feed))
+                         draft_seconds, row.target.forward_seconds - forward_before, bool(feed))
 
     def _events(self, row: _Row, sequence: int, cfg: SpecConfig, previous: SpecConfig, v: _Verified,
                 round_index: int, round_start: float, start: float) -> list[TokenEvent | RoundEvent]:
@@ -620,7 +618,7 @@ class _Verified:
     first_index: int  # index of the round's first new token in the generation
     rows: int  # tokens the target verified (its forward's row count)
     draft_seconds: float
-    verify_seconds: float
+    verify_seconds: float  # the target's forward, as engine.decoding counts it (the rule is overhead)
     fed: bool
 
     @property
