@@ -140,8 +140,8 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
 
             feed = ctx.feeds.open(handle, lambda r: progress_line(r, ctx.reference_for(session)),
                                   lambda: loop.stop(handle), live_lines)
-            yield [], "Starting…", gr.skip(), gr.skip(), feed_html(feed.id)
-        shown, frames, paused = None, 0, None
+            yield [], STREAMING_STATUS, gr.skip(), gr.skip(), feed_html(feed.id)
+        shown, frames, paused = None, 0, False
         for run in runs:
             if feed is not None and (feed.opened.is_set() or time.monotonic() - feed.created < ATTACH_SECONDS):
                 if run.paused != paused and run.start is not None:  # the timer draws every chart while paused

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -189,6 +191,30 @@ def test_ssd_fanout_and_c_change_while_paused(playground_url):
                                           "changes": {"ssd_fanout_mode": ["uniform", "geometric"],
                                                       "downweight_c": [1.0, 0.5]}}]
     assert details["token_ids"] == _direct("The sea is", "ar", 0, 24, temperature=0.0)
+
+
+def test_a_run_on_the_live_feed_sends_gradio_its_first_and_final_updates_only(playground_url):
+    """While the page reads the feed, Gradio sends nothing between the feed box and the final
+    update: each Gradio update costs the browser's main thread tens of milliseconds on the engine's
+    cores (an update at the first round, restating the status line, was one)."""
+    import urllib.parse
+    import urllib.request
+
+    from playground.views import STREAMING_STATUS
+
+    client = _client(playground_url)
+    job = client.submit(*ARGS, "sps", "uniform", 15, 1.0, "neural", True, api_name="/generate")
+    _wait_for_output(job)
+    first = job.outputs()[0]
+    feed = re.search(r"data-feed='([^']+)'", first[4]).group(1)
+    with urllib.request.urlopen(urllib.parse.urljoin(playground_url + "/", feed), timeout=60) as stream:
+        for line in stream:
+            if line.startswith(b"data: ") and json.loads(line[len(b"data: "):]).get("done"):
+                break
+    _, status, details, _, live = job.result(timeout=120)
+    assert details["finish_reason"] == "max_new_tokens" and live == "", status
+    assert first[1] == STREAMING_STATUS
+    assert len(job.outputs()) == 2
 
 
 def test_a_page_that_leaves_its_live_feed_stops_its_run(playground_url):
