@@ -295,13 +295,23 @@ PAGE_JS = """
       setTimeout(drop, 5000);
     }
   };
+  // From the Generate click until the run's final update the status line and token area keep at
+  // least the height they had: the shorter streaming status and live row would otherwise move the
+  // seven charts below up, a re-layout and re-raster of the page on the engine's cores.
+  const hold = (on) => {
+    const view = document.querySelector('#run-view');
+    if (view) view.style.minHeight = on ? `${view.offsetHeight}px` : '';
+  };
+  document.addEventListener('click', (event) => {
+    if (event.target.closest && event.target.closest('#generate-btn')) hold(true);
+  }, true);
   // One cheap query per batch of DOM changes: a new feed box starts following, a removed one (the
   // run's final update) gives the token view back.
   let current = null;
   new MutationObserver(() => {
     const box = document.querySelector('#tokens-live [data-feed]');
-    if (box && box !== current) { hidePreviews(); previews = {}; follow(box); }
-    if (!box && current) showGradio(true);
+    if (box && box !== current) { hidePreviews(); previews = {}; showGradio(false); follow(box); }
+    if (!box && current) { showGradio(true); hold(false); }
     current = box;
   }).observe(document.documentElement, {subtree: true, childList: true});
 })();

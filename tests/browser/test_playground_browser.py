@@ -213,6 +213,35 @@ def test_landing_page_charts_have_titles_and_hints_before_any_run(page):
     page.screenshot(path=str(ARTIFACTS / "playground-landing.png"))
 
 
+@pytest.mark.slow
+def test_nothing_below_the_tokens_moves_while_a_run_streams(default_playground_url):
+    """The live row appearing and the token view leaving (and the other way round) leave the charts
+    below where they were: each move re-laid-out and re-rastered the page on the engine's cores. An
+    observer installed before the click notes the first chart's top at every change of the token
+    area while the run's live row is there; a second run starts from the first run's full token view.
+    The default pair, so that a run outlasts its first update (the tiny pair's can end inside it)."""
+    expect = sync_api.expect
+    with _open_page(default_playground_url) as page:
+        _runs_keep_the_charts_in_place(page, expect)
+
+
+def _runs_keep_the_charts_in_place(page, expect) -> None:
+    for _ in range(2):
+        page.evaluate("""() => {
+            const chart = () => Math.round(document.querySelector('#chart-throughput').getBoundingClientRect().top);
+            window.chartTops = {before: chart(), streaming: []};
+            new MutationObserver(() => {
+                if (document.querySelector('#tokens-live [data-feed]')) window.chartTops.streaming.push(chart());
+            }).observe(document.querySelector('#token-area'), {subtree: true, childList: true, characterData: true});
+        }""")
+        page.click("#generate-btn")
+        page.wait_for_function("window.chartTops.streaming.length > 0")  # the live row is up
+        page.wait_for_function("!document.querySelector('#tokens-live [data-feed]')", timeout=120_000)  # and gone
+        expect(page.locator("#status")).to_contain_text("finished")
+        tops = page.evaluate("window.chartTops")
+        assert tops["streaming"] and set(tops["streaming"]) == {tops["before"]}, tops
+
+
 def test_the_status_trackers_clock_ticks_ten_times_a_second_not_every_frame(page):
     """Gradio's loading tracker leaves its clock running on every animation frame once the app has
     loaded (playground.tracker_clock): the script served first in the page defers that callback.
