@@ -298,12 +298,16 @@ PAGE_JS = """
   // From the Generate click until the run's final update the status line and token area keep at
   // least the height they had: the shorter streaming status and live row would otherwise move the
   // seven charts below up, a re-layout and re-raster of the page on the engine's cores.
+  const HOLD_GUARD_MS = 3000;
   const hold = (on) => {
     const view = document.querySelector('#run-view');
     if (view) view.style.minHeight = on ? `${view.offsetHeight}px` : '';
   };
   document.addEventListener('click', (event) => {
-    if (event.target.closest && event.target.closest('#generate-btn')) hold(true);
+    if (!event.target.closest || !event.target.closest('#generate-btn')) return;
+    hold(true);
+    // A click that starts no run (a refused setting, a full queue) must not keep the height.
+    setTimeout(() => { if (!document.querySelector('#tokens-live [data-feed]')) hold(false); }, HOLD_GUARD_MS);
   }, true);
   // One cheap query per batch of DOM changes: a new feed box starts following, a removed one (the
   // run's final update) gives the token view back.

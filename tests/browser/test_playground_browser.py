@@ -242,6 +242,18 @@ def _runs_keep_the_charts_in_place(page, expect) -> None:
         assert tops["streaming"] and set(tops["streaming"]) == {tops["before"]}, tops
 
 
+def test_a_refused_generate_click_does_not_keep_the_run_views_height(page):
+    """The click holds the status line and token area at their height for the run to come; a click
+    the server refuses (a prompt over the token limit) starts no run, and the page lets go."""
+    page.fill("#prompt textarea", "word " * 2000)
+    held = page.evaluate("""() => {
+        document.querySelector('#generate-btn').click();  // the page's click listener runs inside this
+        return document.querySelector('#run-view').style.minHeight; }""")
+    assert held.endswith("px")
+    page.wait_for_selector(".toast-body")  # Gradio's error toast: the refusal
+    page.wait_for_function("document.querySelector('#run-view').style.minHeight === ''")
+
+
 def test_the_status_trackers_clock_ticks_ten_times_a_second_not_every_frame(page):
     """Gradio's loading tracker leaves its clock running on every animation frame once the app has
     loaded (playground.tracker_clock): the script served first in the page defers that callback.
