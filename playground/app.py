@@ -30,10 +30,8 @@ CSS = """
    below it, and Chromium repainted and re-rastered the whole 2,400 px page on every feed message
    (half its busy time over the decode; playground.browser_bench --trace). */
 #tokens-live .live-tokens { line-height: 1.9; padding: 4px 0; height: 15.2em; overflow-y: auto; contain: strict; }
-/* The token area keeps one height with the token view, the live row or neither in it: the live row
-   appearing and the token view leaving at a run's start moved the seven charts below by 50-75 px
-   twice, and each move re-laid-out and re-rastered the page on the engine's cores. */
-#token-area { min-height: 290px; }
+/* The output a run leaves scrolls at about the live row's height, as the live row does: the charts
+   stay in view, and the height the page holds through the next run (live_feed.PAGE_JS) stays small. */
 #tokens { max-height: 270px; overflow-y: auto; }
 #tokens-live .live-token { border-radius: 3px; padding: 1px 1px; white-space: pre-wrap; }
 #tokens-live .live-status { padding: 2px 0; }

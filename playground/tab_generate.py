@@ -84,9 +84,8 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
         with gr.Column(scale=2):
             with gr.Column(elem_id="run-view"):  # held at its height while a run streams (live_feed.PAGE_JS)
                 status = gr.Markdown("Ready.", elem_id="status")
-                with gr.Column(elem_id="token-area"):  # one height with either view in it (app.CSS)
-                    live = gr.HTML("", elem_id="tokens-live", padding=False)  # the live feed while a run streams
-                    tokens = token_view("Output (click a token to inspect it)", elem_id="tokens")
+                live = gr.HTML("", elem_id="tokens-live", padding=False)  # the live feed while a run streams
+                tokens = token_view("Output (click a token to inspect it)", elem_id="tokens")
             wants_feed = gr.Checkbox(False, visible=False)  # set by the page's click script (API calls: False)
             gr.Markdown(legend())
             plots = []

@@ -222,8 +222,6 @@ def test_a_page_that_leaves_its_live_feed_stops_its_run(playground_url):
     it, the feed streams the run's tokens as server-sent events, and closing it before the run
     ends stops the run, as closing a Gradio stream does. Pause is armed, so the run is parked
     after round 0 while the feed is read: no timing."""
-    import json
-    import re
     import urllib.parse
     import urllib.request
 

@@ -232,7 +232,7 @@ def _runs_keep_the_charts_in_place(page, expect) -> None:
             window.chartTops = {before: chart(), streaming: []};
             new MutationObserver(() => {
                 if (document.querySelector('#tokens-live [data-feed]')) window.chartTops.streaming.push(chart());
-            }).observe(document.querySelector('#token-area'), {subtree: true, childList: true, characterData: true});
+            }).observe(document.querySelector('#run-view'), {subtree: true, childList: true, characterData: true});
         }""")
         page.click("#generate-btn")
         page.wait_for_function("window.chartTops.streaming.length > 0")  # the live row is up
