@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling import SamplingParams, entropy, native_width_for, sample_from, sparse_probs
+from engine.sampling import (SamplingParams, entropy, native_temperature_top_p, native_width_for, sample_from,
+                             sparse_probs)
 from engine.uniform_stream import UniformStream
 
 if TYPE_CHECKING:  # annotations only
@@ -360,7 +361,7 @@ def _native_plan(method: str, params: SamplingParams, vocab: int, delta: float, 
     if width is None:
         return None
     _check_rule(method, delta, posterior_threshold, posterior_alpha)
-    temperature, top_p = (1.0, 1.0) if params.greedy else (params.temperature, params.top_p)
+    temperature, top_p = native_temperature_top_p(params)
     return width, temperature, top_p, _RULE_CODES[method]
 
 

@@ -22,8 +22,8 @@ from engine.models.causal_lm import CausalLM
 from engine.models.fast_llama import PackedLinear, onto_huge_pages
 from engine.models.feature_draft import FeatureDraft
 from engine.models.q4_1_blocks import round_to_q4_1
-from engine.sampling import (SamplingParams, dense_probs, logits_to_probs, native_width_for, sample_from, sample_sparse,
-                             sparse_probs)
+from engine.sampling import (SamplingParams, dense_probs, logits_to_probs, native_temperature_top_p, native_width_for,
+                             sample_from, sample_sparse, sparse_probs)
 
 
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -161,7 +161,7 @@ class FeatureDrafter(Drafter):
         eye = torch.eye(n, dtype=torch.bool)
         tokens, ids, rows = [], [], []
         width = None if shape is not None or self._step is None else native_width_for(params, self._step.layout.head_rows)
-        temperature, top_p = (1.0, 1.0) if params.greedy else (params.temperature, params.top_p)
+        temperature, top_p = native_temperature_top_p(params)
         for i in range(k):
             if stop is not None and stop():
                 break
@@ -235,7 +235,7 @@ class FeatureDrafter(Drafter):
             self._feed(tokens, features)
             return self._draw(self._outputs[-1], params, [uniform])
         start = time.perf_counter()
-        temperature, top_p = (1.0, 1.0) if params.greedy else (params.temperature, params.top_p)
+        temperature, top_p = native_temperature_top_p(params)
         token, ids, probs, out = self._step(tokens, features, self.lm.native_slots(len(tokens)), width, temperature,
                                             top_p, uniform)
         self.lm.book_forward(len(tokens), start)

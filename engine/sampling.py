@@ -91,7 +91,7 @@ def native_support(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.
     rows = logits.detach().float().reshape(-1, vocab).contiguous()
     ids = torch.empty(*logits.shape[:-1], width, dtype=torch.long)
     probs = torch.empty(*logits.shape[:-1], width)
-    temperature, top_p = (1.0, 1.0) if params.greedy else (params.temperature, params.top_p)
+    temperature, top_p = native_temperature_top_p(params)
     _kernels().sample_support(rows.data_ptr(), rows.shape[0], vocab, width, temperature, top_p, ids.data_ptr(),
                               probs.data_ptr())
     return ids, probs
@@ -109,6 +109,11 @@ def native_width_for(params: SamplingParams, vocab: int) -> int | None:
         return None
     width = 1 if params.greedy else params.top_k
     return width if (params.greedy or 0 < width < vocab) and width <= _MAX_NATIVE_TOP_K else None
+
+
+def native_temperature_top_p(params: SamplingParams) -> tuple[float, float]:
+    """Temperature and top-p as the native kernels take them (greedy: their width-1 support at T = 1)."""
+    return (1.0, 1.0) if params.greedy else (params.temperature, params.top_p)
 
 
 def draw_support(ids: torch.Tensor, probs: torch.Tensor, uniform: float) -> int:
@@ -139,7 +144,7 @@ def sample_sparse(logits: torch.Tensor, params: SamplingParams, uniform: float,
         logits = logits.detach().float().contiguous()
     ids = torch.empty(1, width, dtype=torch.long)
     probs = torch.empty(1, width)
-    temperature, top_p = (1.0, 1.0) if params.greedy else (params.temperature, params.top_p)
+    temperature, top_p = native_temperature_top_p(params)
     token = _kernels().sample_draw(logits.data_ptr(), logits.shape[-1], width, temperature, top_p,
                                    None if id_map is None else id_map.data_ptr(), uniform, ids.data_ptr(),
                                    probs.data_ptr())
