@@ -160,7 +160,8 @@ class FeatureDrafter(Drafter):
         own = torch.zeros(n, 0, dtype=torch.bool)
         eye = torch.eye(n, dtype=torch.bool)
         tokens, ids, rows = [], [], []
-        width = None if shape is not None or self._step is None else native_width_for(params, self._step.layout.head_rows)
+        native = shape is None and self._step is not None
+        width = native_width_for(params, self._step.layout.head_rows) if native else None
         temperature, top_p = native_temperature_top_p(params)
         for i in range(k):
             if stop is not None and stop():
