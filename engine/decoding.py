@@ -196,7 +196,8 @@ def apply_rule(logits: torch.Tensor, proposal: Proposal, cfg: SpecConfig, params
 
 def _token_events(cfg: SpecConfig, result: RoundVerdict, support: tuple[torch.Tensor | None, torch.Tensor],
                   proposal: Proposal, new_tokens: list[int], num_accepted: int, first_index: int, round_index: int,
-                  detok: IncrementalDetokenizer, tokenizer: PreTrainedTokenizerBase) -> list[TokenEvent]:
+                  detok: IncrementalDetokenizer, tokenizer: PreTrainedTokenizerBase,
+                  sequence: int = 0) -> list[TokenEvent]:
     """The round's token events: ids, status and the rule's per-token numbers now (read once per
     round as Python lists); text and inspector candidates when a consumer reads them."""
     k = len(proposal.tokens)
@@ -226,6 +227,7 @@ def _token_events(cfg: SpecConfig, result: RoundVerdict, support: tuple[torch.Te
             constraint_kl=result.kl_values[pos] if tested else 0.0,
             target_entropy=result.entropy_values[pos],
             details=details,
+            sequence=sequence,
         ))
     return events
 

@@ -223,8 +223,9 @@ class SSDMetrics:
             "t_b": self.backup_seconds / self.backup_rounds / verify if verify and self.backup_rounds else None,
         }
 
-    def theoretical_speedup(self) -> float | None:
-        r = self.rates()
+    def theoretical_speedup(self, rates: dict | None = None) -> float | None:
+        """Theorem 7 at the measured rates (`rates`: this round's `rates()`, when the caller has them)."""
+        r = rates if rates is not None else self.rates()
         if r["p_hit"] is None or r["t_p"] is None:
             return None
         e_hit = r["e_hit"] if r["e_hit"] is not None else 0.0
@@ -248,6 +249,6 @@ class SSDMetrics:
             "rounds_by_source": {s: c[0] for s, c in self.rows_by_source.items()},
             "t_p": r["t_p"],
             "t_b": r["t_b"],
-            "theoretical_speedup": self.theoretical_speedup(),
+            "theoretical_speedup": self.theoretical_speedup(r),
             "measured_speedup": self.measured_speedup(),
         }

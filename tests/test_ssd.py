@@ -334,16 +334,16 @@ def test_a_cut_fill_serves_a_prefix_of_the_full_fill(tiny_pair, feature_pair, fe
 
 
 def test_projection_replaces_only_the_verification_and_charges_a_fill_that_no_longer_fits():
-    trace = ProjectionTrace(prefill=0.1, prefill_full=0.05)
-    trace.rounds = [RoundTiming(emitted=2, verify=0.020, verify_full=0.010, loop=0.004, serve=0.002, message=0.001,
-                                fill=0.012)] * 10
+    def trace_of(fill: float) -> ProjectionTrace:
+        trace = ProjectionTrace(prefill=0.1, prefill_full=0.05)
+        for _ in range(10):
+            trace.add(RoundTiming(emitted=2, verify=0.020, verify_full=0.010, loop=0.004, serve=0.002, message=0.001,
+                                  fill=fill))
+        return trace
+
+    trace = trace_of(0.012)
     # pinned: 0.1 + 10 (0.003 + max(0.024, 0.012)); full machine: 0.05 + 10 (0.003 + max(0.014, 0.012))
     assert trace.tokens_per_s(False) == pytest.approx(20 / (0.1 + 10 * 0.027))
     assert trace.tokens_per_s(True) == pytest.approx(20 / (0.05 + 10 * 0.017))
-    trace.rounds = [replace_fill(r, 0.030) for r in trace.rounds]  # the fill outlasts the faster verify
-    assert trace.tokens_per_s(True) == pytest.approx(20 / (0.05 + 10 * 0.033))
+    assert trace_of(0.030).tokens_per_s(True) == pytest.approx(20 / (0.05 + 10 * 0.033))  # the fill outlasts the faster verify
     assert "projected" in trace.summary()["projection_assumptions"]
-
-
-def replace_fill(r: RoundTiming, fill: float) -> RoundTiming:
-    return RoundTiming(r.emitted, r.verify, r.verify_full, r.loop, r.serve, r.message, fill)

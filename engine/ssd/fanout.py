@@ -12,11 +12,12 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
 DEFAULT_ACCEPTANCE = 0.5  # prior acceptance rate before any round was verified
 DEFAULT_POWER_R = 1.0  # prior exponent before enough informative lookups
 MIN_R_OBSERVATIONS = 8
+_R_GRID = np.logspace(-2, 1, 300)  # the r values the maximum-likelihood fit picks from (a round reads it)
 
 
 def round_to_budget(weights: Sequence[float], budget: int) -> list[int]:
@@ -79,12 +80,11 @@ class FanoutPlanner:
         data = [(f, h, n) for f, (h, n) in self.lookups.items() if f >= 2]
         if sum(n for _, _, n in data) < MIN_R_OBSERVATIONS:
             return None
-        r = torch.logspace(-2, 1, 300, dtype=torch.float64)
-        loglik = torch.zeros_like(r)
+        loglik = np.zeros_like(_R_GRID)
         for f, hits, n in data:
-            miss_logp = -r * math.log(f)
-            loglik += hits * torch.log1p(-torch.exp(miss_logp).clamp(max=1 - 1e-12)) + (n - hits) * miss_logp
-        return float(r[loglik.argmax()])
+            miss_logp = -_R_GRID * math.log(f)
+            loglik += hits * np.log1p(-np.minimum(np.exp(miss_logp), 1 - 1e-12)) + (n - hits) * miss_logp
+        return float(_R_GRID[loglik.argmax()])
 
     def power_r(self, user_r: float) -> float:
         if user_r > 0:

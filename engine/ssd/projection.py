@@ -41,16 +41,24 @@ class ProjectionTrace:
     prefill: float = 0.0
     prefill_full: float = 0.0
     rounds: list[RoundTiming] = field(default_factory=list)
+    # Running sums of Theorem 7's round times (target pinned, at full speed) and of the tokens: each
+    # round's event reads both speeds, and a sum over every round so far would grow with the run.
+    _seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    _emitted: int = 0
+
+    def add(self, r: RoundTiming) -> None:
+        self.rounds.append(r)
+        wait = r.serve + r.message
+        self._seconds[0] += wait + max(r.verify + r.loop, r.fill)
+        self._seconds[1] += wait + max(r.verify_full + r.loop, r.fill)
+        self._emitted += r.emitted
 
     def tokens_per_s(self, full_machine: bool) -> float | None:
         """Emitted tokens over Theorem 7's round times, target pinned (False) or at full speed (True)."""
         if not self.rounds:
             return None
-        total = self.prefill_full if full_machine else self.prefill
-        for r in self.rounds:
-            verify = r.verify_full if full_machine else r.verify
-            total += r.serve + r.message + max(verify + r.loop, r.fill)
-        return sum(r.emitted for r in self.rounds) / total if total > 0 else None
+        total = (self.prefill_full if full_machine else self.prefill) + self._seconds[int(full_machine)]
+        return self._emitted / total if total > 0 else None
 
     def phase_ms(self) -> dict[str, float | None]:
         """Mean ms per round of each term of the round time: where an SSD round goes (the wait for

@@ -30,7 +30,8 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
@@ -125,6 +126,8 @@ class SSDEngine:
         self._generation = 0
         self._calibration: dict[int, float] = {}  # target rows -> forward time on every core / pinned
         self._lock = threading.Lock()  # one generation at a time per engine (one worker)
+        # One token's text, decoded once: a round names up to B cache keys, its lookup and its rejection.
+        self._token_text = lru_cache(maxsize=None)(lambda token: pair.tokenizer.decode([token]))
 
     # -- worker lifecycle ------------------------------------------------------------------------
     @property
@@ -301,7 +304,7 @@ class SSDEngine:
         planner, ssd, trace = FanoutPlanner(), SSDMetrics(), ProjectionTrace(prefill_seconds)
         fills = [0, 0, 0, 0]  # rounds that looked a cache up; Σ budget used, Σ budget requested, Σ depth
         trace.prefill_full = prefill_seconds * self._full_machine_ratio(PREFILL_ROWS)
-        previous, round_index, sent = cfg, 0, None
+        previous, round_index, sent, cfg_dict = cfg, 0, None, None
         if worker_ok:
             worker_ok, sent, events = self._ask(rows, cfg, planner, ssd)
             yield from events
@@ -314,7 +317,7 @@ class SSDEngine:
             if sent is not None:  # the settings the worker drafted this round's speculations with
                 cfg, fanouts, backup = sent
             else:
-                cfg = self._snapshot(config)
+                cfg = self._snapshot(config, previous)
                 fanouts, backup = (), "sync"
             k = cfg.num_speculative_tokens
             spans: list[TimelineSpan] = []
@@ -372,7 +375,7 @@ class SSDEngine:
             # while this process turns the round into events.
             asked_at, next_sent = time.perf_counter(), None
             if worker_ok and any(r.finished is None for r in rows):
-                worker_ok, next_sent, events = self._ask(rows, config, planner, ssd)
+                worker_ok, next_sent, events = self._ask(rows, config, planner, ssd, cfg)
                 if not worker_ok:
                     self._degrade(rows)
                 yield from events
@@ -380,18 +383,21 @@ class SSDEngine:
             hits, sources, lookup_keys, lookup_texts, cache_keys, key_texts, emitted, seq_ids, events = (
                 [], [], [], [], [], [], [], [], [])
             searched, depth, kept = (), 0, []
+            if cfg is not previous or cfg_dict is None:  # a snapshot keeps its identity while nothing changed
+                cfg_dict = cfg.as_dict()
+            changes = cfg.changed_fields(previous) if round_index and cfg is not previous else ()
             for i, row, v, source, lookup, item in verified:
-                events += self._events(row, i, cfg, previous, v, round_index, round_start, start)
+                events += self._events(row, i, cfg, cfg_dict, changes, v, round_index, round_start, start)
                 ssd.add_row(source, lookup is not None, v.num_emitted)
                 hits.append(source == "cache")
                 seq_ids.append(i)
                 sources.append(source)
                 emitted.append(v.num_emitted)
                 lookup_keys.append(lookup)
-                lookup_texts.append(self.pair.tokenizer.decode([lookup[1]]) if lookup is not None else "")
+                lookup_texts.append(self._token_text(lookup[1]) if lookup is not None else "")
                 keys = tuple(item.cache_keys) if item is not None else ()
                 cache_keys.append(keys)
-                key_texts.append(tuple(self.pair.tokenizer.decode([y]) for _, y in keys))
+                key_texts.append(tuple(self._token_text(y) for _, y in keys))
                 if item is not None:
                     searched, depth = searched or tuple(item.cache_fanouts), max(depth, item.cache_depth)
                     kept.append(item.first_kept)
@@ -402,17 +408,18 @@ class SSDEngine:
             drafted_here = sum(v.draft_seconds for _, _, v, _, _, _ in verified) if reply is None else 0.0
             serve = reply.serve[1] - reply.serve[0] if reply is not None else drafted_here
             ssd.add_round(verify_seconds, time.perf_counter() - round_start, serve if missed else None)
-            trace.rounds.append(RoundTiming(
+            trace.add(RoundTiming(
                 emitted=sum(emitted), verify=verify_seconds, verify_full=verify_full,
                 loop=max(asked_at - round_start - wait_seconds - verify_seconds - drafted_here, 0.0), serve=serve,
                 message=max(wait_seconds - serve, 0.0) if reply is not None else 0.0, fill=fill_seconds))
             yield from events
+            rates = ssd.rates()
             yield SSDRoundEvent(
                 round_index=round_index, sequences=tuple(seq_ids), hits=tuple(hits), sources=tuple(sources),
                 lookup_keys=tuple(lookup_keys), cache_keys=tuple(cache_keys), fanouts=searched,
-                num_emitted=tuple(emitted), timeline=tuple(spans), hit_rate=ssd.rates()["p_hit"],
-                theoretical_speedup=ssd.theoretical_speedup(), measured_speedup=ssd.measured_speedup(),
-                rates=ssd.rates() | {"acceptance": planner.acceptance, "power_r": planner.power_r(cfg.ssd_power_r),
+                num_emitted=tuple(emitted), timeline=tuple(spans), hit_rate=rates["p_hit"],
+                theoretical_speedup=ssd.theoretical_speedup(rates), measured_speedup=ssd.measured_speedup(),
+                rates=rates | {"acceptance": planner.acceptance, "power_r": planner.power_r(cfg.ssd_power_r),
                                      "next_fanouts": next_sent[1] if next_sent else (), "backup": backup},
                 backup=backup, cache_key_texts=tuple(key_texts), lookup_texts=tuple(lookup_texts),
                 budget_requested=cfg.ssd_cache_budget, budget_used=sum(searched), cache_depth=depth,
@@ -434,23 +441,26 @@ class SSDEngine:
                               row.metrics.summary(elapsed, prefill_seconds) | summary, sequence=i)
 
     @staticmethod
-    def _snapshot(config: SpecConfig) -> SpecConfig:
-        cfg = config.snapshot()
+    def _snapshot(config: SpecConfig, previous: SpecConfig | None = None) -> SpecConfig:
+        cfg = config.snapshot(previous)
         if cfg.method == "ar":
             raise ValueError("SSD cannot switch to 'ar' mid-generation; pick sps, tas or cactus")
         return cfg
 
-    def _ask(self, rows: list[_Row], config: SpecConfig, planner: FanoutPlanner, ssd: SSDMetrics
+    def _ask(self, rows: list[_Row], config: SpecConfig, planner: FanoutPlanner, ssd: SSDMetrics,
+             previous: SpecConfig | None = None
              ) -> tuple[bool, tuple[SpecConfig, tuple[int, ...], str] | None, list[WorkerEvent]]:
-        """Send the next round's request (the settings are read here, once per round); or, where no
-        fill could save a draft step, send nothing and draft here (`LOCAL`)."""
-        cfg = self._snapshot(config)
+        """Send the next round's request (the settings are read here, once per round: `previous`
+        itself while nothing changed); or, where no fill could save a draft step, send nothing and
+        draft here (`LOCAL`). It runs between the verification and the worker's serve, so it
+        derives nothing it does not send (the rates only for the adaptive backup)."""
+        cfg = self._snapshot(config, previous)
         k = cfg.num_speculative_tokens
         if self._drafts_here(cfg):
             return True, (cfg, (), LOCAL), []
         fanouts = tuple(planner.plan(cfg.ssd_fanout_mode, cfg.ssd_cache_budget, k, cfg.ssd_power_r))
         active = [r for r in rows if r.finished is None]
-        backup = resolve_backup(cfg.ssd_backup, len(active), ssd.rates())
+        backup = resolve_backup(cfg.ssd_backup, len(active), ssd.rates() if cfg.ssd_backup == "adaptive" else {})
         after_local = any(r.drafted_here for r in active)
         items = [self._request(r, cfg) if r.finished is None else None for r in rows]
         try:
@@ -555,7 +565,7 @@ class SSDEngine:
             logits = torch.cat([row.pending_logits, logits])
         row.pending_logits = None
         target_probs, proposal, result = apply_rule(logits, proposal, cfg, params, row.uniforms)
-        num_accepted = int(result.num_accepted[0])
+        num_accepted = result.accepted_count
         row.target.rollback(len(row.context) + num_accepted)
         if row.target.keep_hidden and feed:
             hidden = (fed_from, row.target.last_hidden[: row.target.length - fed_from])
@@ -565,7 +575,7 @@ class SSDEngine:
         verify_end = time.perf_counter()
         spans.append(TimelineSpan("target", f"verify seq {sequence}", verify_start - start, verify_end - start))
 
-        new_tokens = proposal.tokens[:num_accepted] + [int(result.next_tokens[0])]
+        new_tokens = proposal.tokens[:num_accepted] + [result.next_token]
         for j, token in enumerate(new_tokens):
             if token in eos:
                 new_tokens, row.finished = new_tokens[: j + 1], "eos"
@@ -580,26 +590,25 @@ class SSDEngine:
         return _Verified(target_probs, proposal, result, num_accepted, new_tokens, first_index, len(feed),
                          draft_seconds, row.target.forward_seconds - forward_before, bool(feed))
 
-    def _events(self, row: _Row, sequence: int, cfg: SpecConfig, previous: SpecConfig, v: _Verified,
-                round_index: int, round_start: float, start: float) -> list[TokenEvent | RoundEvent]:
+    def _events(self, row: _Row, sequence: int, cfg: SpecConfig, cfg_dict: dict, changes: tuple[str, ...],
+                v: _Verified, round_index: int, round_start: float, start: float) -> list[TokenEvent | RoundEvent]:
         """The round's token events and RoundEvent (the same round as engine.decoding)."""
         k, num_accepted, new_tokens = len(v.proposal.tokens), v.num_accepted, v.new_tokens
-        token_events = [replace(e, sequence=sequence) for e in _token_events(
-            cfg, v.result, v.target_probs, v.proposal, new_tokens, num_accepted, v.first_index, round_index,
-            row.detok, self.pair.tokenizer)]
+        token_events = _token_events(cfg, v.result, v.target_probs, v.proposal, new_tokens, num_accepted,
+                                     v.first_index, round_index, row.detok, self.pair.tokenizer, sequence)
         rejected = v.proposal.tokens[num_accepted] if num_accepted < k else None
         counted = min(k, len(new_tokens)) if row.finished == "eos" and len(new_tokens) <= num_accepted else k
         event = RoundEvent(
             round_index=round_index, method=cfg.method, num_speculative_tokens=cfg.num_speculative_tokens,
             num_draft_tokens=counted, draft_token_ids=tuple(v.proposal.tokens[:counted]),
             num_accepted=min(num_accepted, counted), num_emitted=len(new_tokens),
-            accepted_positions=tuple(bool(a) for a in v.result.accepted[0, :counted].tolist()),
+            accepted_positions=tuple(v.result.passed[:counted]),
             rejected_token_id=rejected,
-            rejected_text=None if rejected is None else self.pair.tokenizer.decode([rejected]),
+            rejected_text=None if rejected is None else self._token_text(rejected),
             constraint_kl=sum(e.constraint_kl for e in token_events), draft_seconds=v.draft_seconds,
             verify_seconds=v.verify_seconds, target_forwards=int(v.fed),
             round_seconds=time.perf_counter() - round_start, elapsed_seconds=time.perf_counter() - start,
-            config=cfg.as_dict(), config_changes=cfg.changed_fields(previous) if round_index else (),
+            config=cfg_dict, config_changes=changes,
             sequence=sequence,
         )
         row.metrics.add_round(event)
