@@ -15,6 +15,9 @@ after the first token; the longest main-thread task Chromium reported; and the c
 busy during the run (its CPU seconds over the run's wall time: what it took from the engine).
 
 Run by hand on a quiet machine (not in CI): `flock -x /tmp/specplay-cpu.lock python -m playground.browser_bench`.
+`--browser-nice 19` starts Chromium at the lowest priority, the nearest this machine gets to a
+visitor's browser on another machine: what is left of the gap is the server's pipeline and the
+memory and caches the two share.
 `--trace DIR` adds one traced page run per method after the repeats: a Chromium trace per method
 in DIR and, per Chromium thread, its busy ms from the click to the first token and over the decode.
 """
@@ -233,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default=",".join(UI_METHODS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--browser-nice", type=int, default=0,
+                    help="run Chromium at this nice level (0-19): a visitor's browser is not on the server's "
+                         "cores, so 19 shows what the page's pipeline costs the engine without its CPU")
     ap.add_argument("--trace", type=Path, default=None,
                     help="folder: after the repeats, one traced page run per method (trace-<method>.json)")
     args = ap.parse_args(argv)
@@ -252,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     api: dict[str, list[float]] = {m: [] for m in methods}
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            browser = p.chromium.launch(executable_path=niced(CHROMIUM, args.browser_nice, log.parent), args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1440, "height": 900})
             page.goto(f"http://127.0.0.1:{port}")
             page.wait_for_selector("#generate-btn")
@@ -278,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         server.wait(timeout=30)
         if ssd is not None:
             ssd.close()
-    print(f"pair {args.pair}, K {k}, defaults {DEFAULT_SETTINGS}, median of {args.repeats}; CPU: {_cpu_name()}")
+    print(f"pair {args.pair}, K {k}, defaults {DEFAULT_SETTINGS}, median of {args.repeats}; CPU: {_cpu_name()}; "
+          f"Chromium at nice {args.browser_nice}")
     print(f"{'method':8} {'engine tok/s':>12} {'API tok/s':>9} {'page tok/s':>10} {'ratio':>6} {'x AR engine':>11} {'x AR page':>9} "
           f"{'seen tok/s':>10} {'1st token s':>11} {'longest gap s':>13} {'long task ms':>12} {'browser cores':>13}  "
           "page/engine per repeat")
@@ -305,6 +312,17 @@ def main(argv: list[str] | None = None) -> int:
         for name, (first, decode) in list(busy.items())[:6]:
             print(f"  {name:28} {first:7.1f} {decode:7.1f}")
     return 0
+
+
+def niced(executable: str, level: int, folder: Path) -> str:
+    """`executable`, or a wrapper that starts it at nice `level` (every process and thread it
+    spawns inherits the level: Linux keeps one per thread, so renicing after launch would miss some)."""
+    if level == 0:
+        return executable
+    wrapper = folder / f"chromium-nice{level}"
+    wrapper.write_text(f'#!/bin/sh\nexec nice -n {level} {executable} "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
 
 
 def _free_port() -> int:
