@@ -15,7 +15,10 @@
 #            (projected vs measured, hit rate)                              -> cpu16.json
 #   ssd_cc   SSD, target $CUDA, draft worker on $DRAFT_CPUS (beside SpS, same target) -> ssd_cuda_cpu.json
 #   ssd_gg   SSD, target $CUDA, the `self` draft in its own process on $CUDA (the default pair's
-#            feature draft has no CUDA worker), beside SpS with the same self draft on $CUDA -> ssd_cuda_cuda.json
+#            feature draft has no CUDA worker), beside SpS with the same self draft on $CUDA, K = $GG_KS
+#            (default 1,2,4)                                                 -> ssd_cuda_cuda.json
+#   xeon2    (only when STEPS names it) the host CPU alone at 2 threads (issue #23): AR, SpS, TAS and
+#            Cactus, K = 1,2, $XREPEATS repeats (default 3), --profile, on cores 0,1 -> xeon2.json
 # Each SSD step also writes its per-round timeline summary (overlap of the cache fill with the
 # target's verify) to *_timeline.json. STEPS picks steps (default all), each bounded by `timeout`
 # and by DEADLINE (seconds from the start, 0 = none); PACK=FILE.tgz re-packs OUTDIR after each step.
@@ -38,6 +41,8 @@ PROMPTS=${PROMPTS:-4}
 TOKENS=${TOKENS:-64}
 REPEATS=${REPEATS:-2}
 KS=${KS:-1,2,3,4}
+GG_KS=${GG_KS:-1,2,4}
+XREPEATS=${XREPEATS:-3}
 STEPS=${STEPS:-env cuda cuda_tc greedy cpu ssd_cc ssd_gg}
 DEADLINE=${DEADLINE:-0}  # seconds after the start by which every step must have ended (0: none)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -79,6 +84,7 @@ step() {  # step NAME SECONDS COMMAND...: run it bounded, log it, remember its e
 
 env_report() {
   nproc; lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|NUMA node|Flags" | cut -c1-300
+  echo "ISA flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx512|amx|avx_vnni)' | tr '\n' ' ')"
   for c in 0 7 8 15; do
     echo "cpu$c siblings: $(cat /sys/devices/system/cpu/cpu$c/topology/thread_siblings_list 2>/dev/null)"
   done
@@ -128,10 +134,15 @@ step ssd_cc 150 "${TS[@]}" $PY deploy/h200_bench.py bench --hf-target "$CUDA" \
   --tap "$OUT/ssd_cuda_cpu_timeline.json" -- "${common[@]}" --methods sps,ssd --k "$KS" --threads "$threads" \
   --devices "$cc_devices" --fanout 4 --fanout-mode uniform --json "$OUT/ssd_cuda_cpu.json"
 
-step ssd_gg 120 "${TS[@]}" $PY deploy/h200_bench.py bench --hf-target "$CUDA" --hf-self-draft "$CUDA" \
-  --tap "$OUT/ssd_cuda_cuda_timeline.json" -- "${common[@]}" --methods sps,ssd --drafter self --k 2,4 \
+step ssd_gg 200 "${TS[@]}" $PY deploy/h200_bench.py bench --hf-target "$CUDA" --hf-self-draft "$CUDA" \
+  --tap "$OUT/ssd_cuda_cuda_timeline.json" -- "${common[@]}" --methods sps,ssd --drafter self --k "$GG_KS" \
   --threads "$threads" --devices "$gg_devices" --fanout 4 --fanout-mode uniform --json "$OUT/ssd_cuda_cuda.json"
 
+# Issue #23: the host's CPU alone, 2 threads on 2 cores (engine.bench as is, the fast CPU backend).
+X2=(taskset -c 0,1); command -v taskset >/dev/null || X2=()
+step xeon2 150 "${X2[@]}" $PY -m engine.bench --pair default --peers "" --methods ar,sps,tas,cactus --k 1,2 \
+  --prompts "$PROMPTS" --max-new-tokens "$TOKENS" --repeats "$XREPEATS" --threads 2 --profile --json "$OUT/xeon2.json"
+
 echo; echo "=== summary"
-for s in env cuda cuda_tc greedy cpu ssd_cc ssd_gg; do echo "$s: ${status[$s]:-skipped}"; done
+for s in env cuda cuda_tc greedy cpu ssd_cc ssd_gg xeon2; do echo "$s: ${status[$s]:-skipped}"; done
 grep -h "^GREEDY" "$OUT"/greedy.log 2>/dev/null
