@@ -546,7 +546,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         else:
             row["speedup_vs_ar_runs"] = row["speedup_vs_ar"] = None
         if m == SSD_METHOD:
-            row.update(fanout=args.fanout, fanout_mode=args.fanout_mode, budget=cfg.ssd_cache_budget,
+            row.update(fanout=args.fanout, fanout_mode=args.fanout_mode,
+                       budget=replace(cfg, num_speculative_tokens=k).ssd_cache_budget,  # B = F·(K+1) at this row's K
                        downweight_c=args.downweight_c, backup=args.backup)
             sps_reps = runs.get(("sps", k, wd))
             if sps_reps:

@@ -131,6 +131,16 @@ def test_bench_runs_ssd_next_to_sps_with_devices_and_hit_rate(tmp_path):
     assert ssd["hit_ceiling_vs_sps"] == 1 + sps["draft_ms_per_token"] * ssd["k"] / sps["verify_ms_per_round"]
 
 
+def test_an_ssd_rows_budget_is_the_one_its_k_ran_with(tmp_path):
+    import json
+
+    out = tmp_path / "rows.json"
+    bench.main(["--pair", "tiny", "--methods", "ssd", "--peers", "", "--devices", "target=cpu:0,draft=cpu:1",
+                "--prompts", "1", "--repeats", "1", "--max-new-tokens", "6", "--k", "1,2", "--fanout", "3",
+                "--json", str(out)])
+    assert {r["k"]: r["budget"] for r in json.loads(out.read_text())} == {1: 6, 2: 9}  # B = F·(K+1)
+
+
 def test_ssd_hit_ceiling_is_one_plus_the_sps_draft_over_its_verify():
     """Corollary 9's upper bound by hand: SpS drafting 2 x 0.25 ms against a 5 ms verification
     leaves SSD at most 1.1x, whatever its hit rate; per-repeat ratios pair the same repeats."""
