@@ -51,6 +51,7 @@ from engine.ssd.fill_budget import LOCAL_NOTE, min_fill_depth
 from engine.ssd.projection import ProjectionTrace, RoundTiming
 from engine.ssd.speculation_cache import Key
 from engine.uniform_stream import UniformStream
+from engine.ssd import wire
 from engine.ssd.worker import (REPLY_SPIN_SECONDS, BuildReport, DrafterSpec, RoundReply, RoundRequest, SeqReply,
                                SeqRequest, StartRequest, WorkerInfo, spin_poll, worker_main)
 
@@ -126,6 +127,7 @@ class SSDEngine:
         self._generation = 0
         self._calibration: dict[int, float] = {}  # target rows -> forward time on every core / pinned
         self._lock = threading.Lock()  # one generation at a time per engine (one worker)
+        self._packer = wire.RequestPacker()
         # One token's text, decoded once: a round names up to B cache keys, its lookup and its rejection.
         self._token_text = lru_cache(maxsize=None)(lambda token: pair.tokenizer.decode([token]))
 
@@ -187,7 +189,10 @@ class SSDEngine:
 
     def _send(self, msg: object) -> None:
         try:
-            self._conn.send(msg)
+            if isinstance(msg, RoundRequest):  # the critical path's message: packed, not pickled (wire.py)
+                self._conn.send_bytes(self._packer.pack(msg))
+            else:
+                self._conn.send(msg)
         except (OSError, EOFError, ValueError, AttributeError) as err:
             raise WorkerLost(self._lost(f"could not be reached ({type(err).__name__})")) from err
 
@@ -209,7 +214,7 @@ class SSDEngine:
         while True:
             try:
                 ready = spin_poll(self._conn, spin_until - time.perf_counter()) or self._conn.poll(POLL_SECONDS)
-                msg = self._conn.recv() if ready else None
+                msg = wire.loads(self._conn.recv_bytes()) if ready else None
             except (OSError, EOFError, AttributeError) as err:
                 raise WorkerLost(self._lost(f"its pipe closed ({type(err).__name__})")) from err
             if isinstance(msg, Exception):

@@ -220,6 +220,8 @@ def worker_main(spec: DrafterSpec, device: DeviceSpec, conn: Connection) -> None
 
 
 def _serve(spec: DrafterSpec, device: DeviceSpec, first: Drafter, conn: Connection) -> None:
+    from engine.ssd import wire  # it packs this module's messages (imported here: no import cycle)
+
     drafters = [first]
     seqs: list[_Sequence] = []
     generation = -1
@@ -227,7 +229,7 @@ def _serve(spec: DrafterSpec, device: DeviceSpec, first: Drafter, conn: Connecti
     replied: float | None = None
     while True:
         spin_poll(conn, WORKER_SPIN_SECONDS)
-        msg = conn.recv()
+        msg = wire.loads(conn.recv_bytes())
         if msg is None:
             return
         if isinstance(msg, StartRequest):
@@ -246,7 +248,7 @@ def _serve(spec: DrafterSpec, device: DeviceSpec, first: Drafter, conn: Connecti
             sizer.observe_window(msg.sent_at - replied)
         start = time.perf_counter()
         replies = [None if item is None else _serve_one(seq, item, msg, sizer) for seq, item in zip(seqs, msg.items)]
-        conn.send(RoundReply(generation, replies, (start, time.perf_counter())))
+        conn.send_bytes(wire.pack_reply(RoundReply(generation, replies, (start, time.perf_counter()))))
         replied = start = time.perf_counter()
         active = [seq for seq, item in zip(seqs, msg.items) if item is not None]
         if msg.fill_to_verify:
