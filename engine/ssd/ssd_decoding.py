@@ -507,7 +507,8 @@ class SSDEngine:
         hidden_start, hidden = 0, None
         if row.unsent_hidden:
             hidden_start = row.unsent_hidden[0][0]
-            hidden = torch.cat([h for _, h in row.unsent_hidden]).float().cpu().numpy()
+            parts = [h for _, h in row.unsent_hidden]  # usually one round's rows: no concatenation
+            hidden = (parts[0] if len(parts) == 1 else torch.cat(parts)).to("cpu", torch.float32).numpy()
             row.unsent_hidden = []
         # The draft's draws come next in the sequence's stream, as in SpS: the worker takes them from
         # its copy, this process passes over them (_verify), and the rule reads the ones after.
