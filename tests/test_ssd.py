@@ -238,6 +238,27 @@ def test_fill_shortens_the_depth_then_skips_when_nothing_fits():
     assert MARGIN < 1
 
 
+def test_the_window_is_planned_for_the_length_the_reply_served():
+    """The target verifies the served tokens plus one, and on one core each row lengthens the
+    verification by ~40 %: after a one-token hit the window is short, after a K-token miss long.
+    One smoothed window would plan both alike: too much after the short reply (the request cuts the
+    fill), too little after the long one."""
+    sizer = _sizer(0.010, 0.002, {1: 0.001, 11: 0.002})  # step(n) = 0.9 ms + 0.1 ms per branch
+    for _ in range(5):
+        sizer.observe_window(0.008, served=1)
+        sizer.observe_window(0.016, served=3)
+    assert sizer.window_for(1) == pytest.approx(0.008, rel=0.01)
+    assert sizer.window_for(3) == pytest.approx(0.016, rel=0.01)
+    assert sizer.window_for(2) == pytest.approx(0.012, rel=0.01)  # between the measured lengths
+    assert sizer.window_for(None) == sizer.window  # no length given: every reply's window
+    short, long = sizer.plan([20, 20, 20, 20], served=1), sizer.plan([20, 20, 20, 20], served=3)
+    # 2 + 3 (0.9 + 0.1 B) <= 0.9 * 8 -> B = 8; <= 0.9 * 16 -> B = 32
+    assert (short.depth, short.budget) == (3, 8) and (long.depth, long.budget) == (3, 32)
+    fresh = _sizer(0.010, 0.002, {1: 0.001, 11: 0.002})
+    fresh.observe_window(0.008, served=1)
+    assert fresh.window_for(3) == fresh.window  # one length measured: no line to extend yet
+
+
 def test_a_feature_draft_cache_is_never_shallower_than_two_tokens():
     """A feature draft's hit redraws its first token (engine.ssd.worker): a one-token cache saves no
     draft step, so the plan never stops at depth 1 for it, and at K = 1 it makes none, saying why."""

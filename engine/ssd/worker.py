@@ -227,6 +227,7 @@ def _serve(spec: DrafterSpec, device: DeviceSpec, first: Drafter, conn: Connecti
     generation = -1
     sizer = FillSizer()  # per worker: the draft device's costs outlive a generation
     replied: float | None = None
+    served = 0  # tokens the last reply served: the target verifies them plus one before the next request
     while True:
         spin_poll(conn, WORKER_SPIN_SECONDS)
         msg = wire.loads(conn.recv_bytes())
@@ -245,15 +246,16 @@ def _serve(spec: DrafterSpec, device: DeviceSpec, first: Drafter, conn: Connecti
                                       UniformStream(msg.seed + i)))
             continue
         if replied is not None and msg.sent_at > replied and not msg.after_local:
-            sizer.observe_window(msg.sent_at - replied)
+            sizer.observe_window(msg.sent_at - replied, served)
         start = time.perf_counter()
         replies = [None if item is None else _serve_one(seq, item, msg, sizer) for seq, item in zip(seqs, msg.items)]
         conn.send_bytes(wire.pack_reply(RoundReply(generation, replies, (start, time.perf_counter()))))
         replied = start = time.perf_counter()
+        served = sum(len(reply.tokens) for reply in replies if reply is not None)
         active = [seq for seq, item in zip(seqs, msg.items) if item is not None]
         if msg.fill_to_verify:
-            plan = sizer.plan(msg.fanouts, len(active), min_fill_depth(first.needs_target_features))
-            deadline = replied + MARGIN * (sizer.window or float("inf"))
+            plan = sizer.plan(msg.fanouts, len(active), min_fill_depth(first.needs_target_features), served)
+            deadline = replied + MARGIN * (sizer.window_for(served) or float("inf"))
             stop = _stop(conn, sizer, deadline)
         else:
             plan, stop = FillPlan(tuple(msg.fanouts), msg.k), _never
