@@ -30,7 +30,8 @@ class Session:
     handle: RunHandle | None = None  # the Generate tab's current run on its engine thread
     handle_ssd: bool = False  # whether `handle` runs on the SSD thread
     pause_next: bool = False  # Pause pressed with no run going: the next run parks after its first round
-    ar_reference: object | None = None  # runner.ARReference from this session's own AR run
+    ar_reference: object | None = None  # runner.ARReference from this session's own AR runs
+    ar_speeds: list[float] = field(default_factory=list)  # their decode tok/s, oldest first (runner.add_ar_run)
     run: RunState = field(default_factory=RunState)
     rendered_version: tuple | None = None  # (RunState.version, streaming) the browser last got charts for
     chart_turn: int = 0  # which live chart the next streaming tick redraws (one per tick)

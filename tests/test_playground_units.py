@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 
@@ -14,10 +15,10 @@ from playground import charts
 from playground.inspector import inspect_figure, inspect_markdown
 from playground.limits import Limits, build_config, inspector_width
 from playground.runner import (
-    ARReference, PlaygroundContext, compare_table, run_compare, run_sweep, start_run, start_session_run, stream_run,
+    AR_REFERENCE_RUNS, ARReference, PlaygroundContext, add_ar_run, compare_table, run_compare, run_sweep, start_run, start_session_run, stream_run,
     sweep_points, tokens_csv,
 )
-from playground.session import SessionStore, apply_live_change
+from playground.session import Session, SessionStore, apply_live_change
 from playground.state import RunState, highlighted_tokens, reduce, summary
 from playground.tutor import STAGES, explain_stage, round_tokens
 from playground.vllm_config import speculative_config
@@ -134,6 +135,23 @@ def test_each_session_keeps_its_own_ar_reference(tiny_pair):
     assert ctx.reference_for(a).tokens_per_s == ar.finish.metrics["decode_tokens_per_s"] != 1.0
     assert "your AR run" in ctx.reference_for(a).how
     assert ctx.reference_for(b).how == "start-up"
+    # Later AR runs: the median of the session's last AR_REFERENCE_RUNS, not the latest alone.
+    speeds = [ar.finish.metrics["decode_tokens_per_s"]]
+    for _ in range(AR_REFERENCE_RUNS):
+        speeds.append(_session_run(ctx, a, "ar", 40).finish.metrics["decode_tokens_per_s"])
+    assert ctx.reference_for(a).tokens_per_s == statistics.median(speeds[-AR_REFERENCE_RUNS:])
+    assert f"median of your last {AR_REFERENCE_RUNS} AR runs" in ctx.reference_for(a).how
+    assert ctx.reference_for(b).how == "start-up"
+
+
+def test_a_session_reference_is_the_median_of_its_last_ar_runs():
+    session = Session()
+    assert add_ar_run(session, 100.0, 40).tokens_per_s == 100.0
+    assert add_ar_run(session, 200.0, 40).tokens_per_s == 150.0
+    assert add_ar_run(session, 50.0, 40).tokens_per_s == 100.0  # one slow run moves it little
+    for _ in range(AR_REFERENCE_RUNS):
+        reference = add_ar_run(session, 300.0, 40)
+    assert reference.tokens_per_s == 300.0 and len(session.ar_speeds) == AR_REFERENCE_RUNS  # the old ones left
 
 
 def test_app_weights_flag_reaches_every_model_the_playground_makes(tiny_pair):
