@@ -186,7 +186,7 @@ def timed_ar_speed(handle: RunHandle, ssd: bool) -> float | None:
 def add_ar_run(session: Session, tokens_per_s: float, new_tokens: int) -> ARReference:
     """The session's reference after one more timed AR run: the median of its last AR_REFERENCE_RUNS.
     One 96-token run's speed moves by about ±10 % on these 2-core VMs (AMD EPYC Zen 3: 177-207 tok/s
-    in three page runs of the same request), and a one-run reference passed that on to every "x AR"."""
+    in three engine runs of the same request), and a one-run reference passed that on to every "x AR"."""
     speeds = session.ar_speeds
     speeds.append(tokens_per_s)
     del speeds[:-AR_REFERENCE_RUNS]

@@ -15,8 +15,8 @@ from playground import charts
 from playground.inspector import inspect_figure, inspect_markdown
 from playground.limits import Limits, build_config, inspector_width
 from playground.runner import (
-    AR_REFERENCE_RUNS, ARReference, PlaygroundContext, add_ar_run, compare_table, run_compare, run_sweep, start_run, start_session_run, stream_run,
-    sweep_points, tokens_csv,
+    AR_REFERENCE_RUNS, ARReference, PlaygroundContext, add_ar_run, compare_table, run_compare, run_sweep, start_run,
+    start_session_run, stream_run, sweep_points, tokens_csv,
 )
 from playground.session import Session, SessionStore, apply_live_change
 from playground.state import RunState, highlighted_tokens, reduce, summary

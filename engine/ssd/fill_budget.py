@@ -8,22 +8,22 @@ time it actually has.
 
 What it optimises: the chance that the next outcome has a cached speculation, subject to T_p <= 1.
 A fill is the glue decode (g) then `depth` tree steps over B branches, each step costing
-step(B) = a + b·B (fitted online, least squares over the recent steps). The window W is what the
-worker measures between its reply and the next request (the verification plus the loop's own
-work), split over the batch's sequences. It is kept per number of tokens the reply served, because
-the target verifies those tokens plus one: on one core each verified row adds about 40 % to the
-verification (AMD EPYC Zen 3: 8.5 / 11.7 / 15.3 / 18.4 ms for 2-5 rows), so a hit that serves one
-token leaves a far shorter window than a miss that serves K, and one smoothed W planned fills that
-the request cut short after short replies and left time unused after long ones. The plan keeps the full depth K and takes the largest
-budget B <= the requested one with g + K·step(B) <= margin·W (the fan-out is the requested plan
-scaled to B, so a geometric plan stays geometric); if no budget fits at depth K it shortens the
-depth; if nothing fits, there is no fill and the next round takes the backup. A feature draft's
-cache is never shallower than 2: its hit redraws the first token from the real features (worker.py),
-so a depth-1 cache saves no draft step, and at K = 1 it does not fill at all (measured: the fill
-slowed the verification it shares the machine with by 8-9 % for nothing). While filling, the
-worker also stops before any step that would end after the predicted request (or once the request
-is already waiting), so the cache holds the branches as far as they got: a round never waits for
-the cache beyond the verification, only for the backup after a miss.
+step(B) = a + b·B (fitted online, least squares over the recent steps). The window W is what the worker measures
+between its reply and the next request (the verification plus the loop's own work), split over the
+batch's sequences. It is kept per number of tokens the reply served, because the target verifies
+those tokens plus one: on one core each verified row adds about 40 % to the verification (AMD EPYC
+Zen 3: 8.5 / 11.7 / 15.3 / 18.4 ms for 2-5 rows), so a hit that serves one token leaves a far
+shorter window than a miss that serves K, and one smoothed W planned fills that the request cut
+short after short replies and left time unused after long ones. The plan keeps the full depth K and
+takes the largest budget B <= the requested one with g + K·step(B) <= margin·W (the fan-out is the
+requested plan scaled to B, so a geometric plan stays geometric); if no budget fits at depth K it
+shortens the depth; if nothing fits, there is no fill and the next round takes the backup. A feature
+draft's cache is never shallower than 2: its hit redraws the first token from the real features
+(worker.py), so a depth-1 cache saves no draft step, and at K = 1 it does not fill at all (measured:
+the fill slowed the verification it shares the machine with by 8-9 % for nothing). While filling,
+the worker also stops before any step that would end after the predicted request (or once the
+request is already waiting), so the cache holds the branches as far as they got: a round never waits
+for the cache beyond the verification, only for the backup after a miss.
 
 Why the output stays exact: sizing only changes which outcomes have a cached speculation and how
 many tokens it has. Every served token still carries the distribution it was drawn from, and an
@@ -84,9 +84,9 @@ class FillSizer:
             self._windows[served] = _smooth(self._windows.get(served), seconds)
 
     def window_for(self, served: int | None) -> float | None:
-        """The window expected after a reply of `served` tokens: measured for that length; else a
-        straight line through the lengths measured (the verification grows by a row per token);
-        else the window over every reply."""
+        """The window expected after a reply of `served` tokens: measured for that length; else on
+        the straight line through the shortest and longest lengths measured (the verification grows
+        by a row per token), never below the shortest window; else the window over every reply."""
         if served is None or not self._windows:
             return self.window
         if served in self._windows:
