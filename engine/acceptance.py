@@ -325,30 +325,92 @@ def verify_logits(method: str, logits: torch.Tensor, params: SamplingParams, dra
         return support, RoundVerdict.from_result(verify_on_support(
             method, dense.unsqueeze(0), draft.probs.to(dense.device).unsqueeze(0), tokens, ids, delta=delta,
             posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha, draws=draws))
-    width, temperature, top_p, code = plan
-    # Each torch op here costs ~5-20 us with the caches cold after a forward: skip the no-op ones.
-    if logits.dtype != torch.float32 or not logits.is_contiguous():
-        logits = logits.detach().float().contiguous()
-    draft_ids, draft_probs = None, None
-    if draft.support is not None:
-        draft_ids, draft_probs = (t.contiguous() for t in draft.support)
-    elif k:
-        draft_probs = draft.probs.float().contiguous()
-    ids = torch.empty(k + 1, width, dtype=torch.long)
-    probs = torch.empty(k + 1, width)
-    r = k + 2
-    stats = (ctypes.c_double * (8 * r))()  # rows of r as cpu_kernels.c verify_logits writes them
-    _kernels().verify_logits(
-        logits.data_ptr(), logits.shape[1], width, temperature, top_p, code, k,
-        None if draft_ids is None else draft_ids.data_ptr(), None if draft_probs is None else draft_probs.data_ptr(),
-        draft.vocab_size if draft_probs is None else draft_probs.shape[-1],
-        (ctypes.c_int64 * max(k, 1))(*draft.tokens), *draws.addresses(), delta, posterior_threshold,
-        posterior_alpha, ids.data_ptr(), probs.data_ptr(), stats)
-    values = stats[:]
-    per_position = [values[i * r: i * r + k] for i in range(5)] + [values[5 * r: 5 * r + k + 1]]
-    passed = [bool(v) for v in values[7 * r + 2: 7 * r + 2 + k]]
-    return (ids, probs), RoundVerdict(int(values[7 * r]), int(values[7 * r + 1]), passed, per_position,
-                                      values[6 * r], values[6 * r + 1], draws)
+    rule = NativeRule(plan, delta, posterior_threshold, posterior_alpha)
+    rule.prepare(draft, draws)
+    rule.run(logits)
+    return rule.verdict()
+
+
+class NativeRule:
+    """`verify_logits`'s native path for one round's settings, built once per config snapshot: the
+    sampling transform and the rule on the kept support as one native call (cpu_kernels.c
+    `verify_logits`), on logits of its own (`run`) or inside the target's forward call, where the
+    backend has one (`CausalLM.forward_with_rule`): there no Python step runs between the forward and
+    the rule. A round is `prepare`, then the forward with the rule (or `run`), then `verdict`.
+
+    One per generation: it holds the round's inputs and outputs between those calls."""
+
+    def __init__(self, plan: tuple[int, float, float, int], delta: float, posterior_threshold: float,
+                 posterior_alpha: float) -> None:
+        """`plan` as `_native_plan` gives it (build with `for_settings`)."""
+        from engine.models.cpu_kernels import RoundRuleArgs  # late, as `_kernels`
+
+        width, temperature, top_p, code = plan
+        self.width = width
+        self.args = RoundRuleArgs(w=width, temperature=temperature, top_p=top_p, method=code, delta=delta,
+                                     posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
+        self._seconds = ctypes.c_double()
+        self.pointers = (ctypes.pointer(self.args), ctypes.pointer(self._seconds))
+        self._capacity = -1
+        self._round: tuple = ()
+
+    @staticmethod
+    def for_settings(method: str, params: SamplingParams, vocab: int, delta: float = 1.0,
+                     posterior_threshold: float = 0.09, posterior_alpha: float = 0.3) -> "NativeRule | None":
+        """The native rule for these round settings over `vocab` target columns, or None where it does
+        not apply (no or a large top-k, no kernels built): then `verify_logits`'s torch path runs."""
+        plan = _native_plan(method, params, vocab, delta, posterior_threshold, posterior_alpha)
+        return None if plan is None else NativeRule(plan, delta, posterior_threshold, posterior_alpha)
+
+    @property
+    def seconds(self) -> float:
+        """The native rule's own time in the last forward that ran it (`forward_with_rule`)."""
+        return self._seconds.value
+
+    def prepare(self, draft: Proposal, draws: RandomDraws) -> None:
+        """Point the call at this round's drafted tokens, their D_i (dense or sparse rows) and draws,
+        and at fresh output rows (the round's events keep them)."""
+        k = len(draft.tokens)
+        if k > self._capacity:  # the drafted tokens and the result block, grown to the largest K seen
+            self._capacity = k
+            self._tokens = (ctypes.c_int64 * max(k, 1))()
+            self._stats = (ctypes.c_double * (8 * (k + 2)))()
+            self.args.result = ctypes.addressof(self._stats)
+        args = self.args
+        draft_ids = draft_probs = None
+        if draft.support is not None:
+            draft_ids, draft_probs = (t.contiguous() for t in draft.support)
+        elif k:
+            draft_probs = draft.probs.float().contiguous()
+        if k:
+            self._tokens[:k] = draft.tokens
+        ids = torch.empty(k + 1, self.width, dtype=torch.long)
+        probs = torch.empty(k + 1, self.width)
+        args.k = k
+        args.d_ids = None if draft_ids is None else draft_ids.data_ptr()
+        args.d_probs = None if draft_probs is None else draft_probs.data_ptr()
+        args.d_w = draft.vocab_size if draft_probs is None else draft_probs.shape[-1]
+        args.tokens = ctypes.addressof(self._tokens) if k else None
+        args.u_accept, args.u_sample = draws.addresses()
+        args.t_ids, args.t_probs = ids.data_ptr(), probs.data_ptr()
+        self._round = (k, ids, probs, draws, draft_ids, draft_probs)  # the inputs kept alive until the call
+
+    def run(self, logits: torch.Tensor) -> None:
+        """The prepared round on logits [K+1, V] (their own call, for logits the forward did not rule on)."""
+        if logits.dtype != torch.float32 or not logits.is_contiguous():  # each no-op cast costs ~10 us cold
+            logits = logits.detach().float().contiguous()
+        _kernels().verify_logits(logits.data_ptr(), logits.shape[1], self.pointers[0])
+
+    def verdict(self) -> tuple[tuple[torch.Tensor, torch.Tensor], RoundVerdict]:
+        """The prepared round's ((ids, probs) of T_1..T_{K+1}, verdict) once the call ran."""
+        k, ids, probs, draws, _, _ = self._round
+        self._round = ()
+        r = k + 2
+        values = self._stats[: 8 * r]
+        per_position = [values[i * r: i * r + k] for i in range(5)] + [values[5 * r: 5 * r + k + 1]]
+        passed = [bool(v) for v in values[7 * r + 2: 7 * r + 2 + k]]
+        return (ids, probs), RoundVerdict(int(values[7 * r]), int(values[7 * r + 1]), passed, per_position,
+                                          values[6 * r], values[6 * r + 1], draws)
 
 
 @lru_cache(maxsize=64)

@@ -1131,17 +1131,33 @@ static void verify_support(int method, int64_t k, int64_t w, const int64_t *t_id
 // t_ids, t_probs [k+1, w] for the token inspector), then verify_support on them. Everything the
 // caller reads lands in one float64 block [8, k+2] (one conversion to Python values): the seven
 // rows of verify_support's stats, then (accepted count, next token, the k per-position tests).
-void verify_logits(const float *logits, int64_t vocab, int64_t w, float temperature, float top_p, int method,
-                   int64_t k, const int64_t *d_ids, const float *d_probs, int64_t d_w, const int64_t *tokens,
-                   const float *u_accept, const float *u_sample, float delta, float posterior_threshold,
-                   float posterior_alpha, int64_t *t_ids, float *t_probs, double *result) {
-    const int64_t r = k + 2;
+// The arguments come as one struct (engine.acceptance.NativeRule fills it), so that target_forward
+// can run the rule on the logits it just wrote, in the same call.
+typedef struct {
+    int64_t w;  // support width (1 greedy, else top-k)
+    float temperature, top_p;
+    int64_t method, k;  // 0 sps, 1 tas, 2 cactus; drafted tokens
+    const int64_t *d_ids;  // the draft's rows D_1..D_k as (ids, probs) [k, d_w], or dense probs (d_ids NULL)
+    const float *d_probs;
+    int64_t d_w;
+    const int64_t *tokens;  // the k drafted tokens
+    const float *u_accept, *u_sample;
+    float delta, posterior_threshold, posterior_alpha;
+    int64_t *t_ids;  // out: T_1..T_{k+1} as (ids, probs) [k+1, w]
+    float *t_probs;
+    double *result;  // out: [8, k+2] as above
+} RoundRule;
+
+void verify_logits(const float *logits, int64_t vocab, const RoundRule *rule) {
+    const int64_t k = rule->k, r = k + 2;
     float *stats = malloc(7 * r * sizeof(float));
     uint8_t *accepted = malloc(r);
     int64_t out[2];
-    sample_support(logits, k + 1, vocab, w, temperature, top_p, t_ids, t_probs);
-    verify_support(method, k, w, t_ids, t_probs, d_ids, d_probs, d_w, tokens, u_accept, u_sample, delta,
-                   posterior_threshold, posterior_alpha, stats, accepted, out);
+    double *result = rule->result;
+    sample_support(logits, k + 1, vocab, rule->w, rule->temperature, rule->top_p, rule->t_ids, rule->t_probs);
+    verify_support((int)rule->method, k, rule->w, rule->t_ids, rule->t_probs, rule->d_ids, rule->d_probs, rule->d_w,
+                   rule->tokens, rule->u_accept, rule->u_sample, rule->delta, rule->posterior_threshold,
+                   rule->posterior_alpha, stats, accepted, out);
     for (int64_t j = 0; j < 7 * r; j++) result[j] = stats[j];
     result[7 * r] = (double)out[0];
     result[7 * r + 1] = (double)out[1];
@@ -1165,16 +1181,25 @@ int64_t sample_draw(const float *logits, int64_t vocab, int64_t w, float tempera
 // the head on the last `last_n` of them into logits [last_n, head_rows]. The same kernels in the same
 // order as that method's op-by-op path, so the same bits; there the ~10 torch ops around the two
 // native calls cost 0.3-0.4 ms a forward on a VM whose caches the forward left cold (AMD EPYC Zen 4,
-// assets/FAST_BACKEND.md, session 23).
+// assets/FAST_BACKEND.md, session 23). With a `rule` (NULL: none), verify_logits then runs on those
+// logits (head_rows must be the vocabulary), its time in *rule_seconds: a verify round's forward and
+// rule in one call, where calling the rule from Python cost ~90 us of Python steps whose caches the
+// forward had left cold (AMD EPYC Zen 3, session 28).
 void target_forward(const Decoder *d, const float *embed, const Linear *head, int64_t head_rows,
                     const int64_t *tokens, int64_t n, float *k_cache, float *v_cache, int64_t cap,
-                    const float *rope, int64_t slot, int wide, int64_t last_n, float *hidden, float *logits) {
+                    const float *rope, int64_t slot, int wide, int64_t last_n, float *hidden, float *logits,
+                    const RoundRule *rule, double *rule_seconds) {
     const int64_t H = d->hidden;
     float *x = malloc(n * H * sizeof(float));
     for (int64_t j = 0; j < n; j++) memcpy(x + j * H, embed + tokens[j] * H, H * sizeof(float));
     decoder_forward(d, x, n, k_cache, v_cache, cap, rope, slot, NULL, wide, hidden);
     decoder_linear(head, hidden + (n - last_n) * H, last_n, H, head_rows, logits, 0);
     free(x);
+    if (rule != NULL) {  // the round's rule on the rows just written, timed apart from the forward
+        const double start = omp_get_wtime();
+        verify_logits(logits, head_rows, rule);
+        *rule_seconds = omp_get_wtime() - start;
+    }
 }
 
 // One step of a feature draft (engine.feature_drafter): x_j = fc([embed(t_j); f_{j-1}]) for n

@@ -143,6 +143,18 @@ class _FeatureStepLayout(ctypes.Structure):
                 ("head_rows", ctypes.c_int64)]
 
 
+class RoundRuleArgs(ctypes.Structure):
+    """Mirror of `RoundRule` in cpu_kernels.c: a verify round's rule settings, inputs and outputs
+    (`engine.acceptance.NativeRule` fills it)."""
+
+    _fields_ = [("w", ctypes.c_int64), ("temperature", ctypes.c_float), ("top_p", ctypes.c_float),
+                ("method", ctypes.c_int64), ("k", ctypes.c_int64), ("d_ids", ctypes.c_void_p),
+                ("d_probs", ctypes.c_void_p), ("d_w", ctypes.c_int64), ("tokens", ctypes.c_void_p),
+                ("u_accept", ctypes.c_void_p), ("u_sample", ctypes.c_void_p), ("delta", ctypes.c_float),
+                ("posterior_threshold", ctypes.c_float), ("posterior_alpha", ctypes.c_float),
+                ("t_ids", ctypes.c_void_p), ("t_probs", ctypes.c_void_p), ("result", ctypes.c_void_p)]
+
+
 @cache
 def load(isa: str) -> ctypes.CDLL | None:
     """The kernels built for `isa` (which this CPU must run), or None where they do not build."""
@@ -172,7 +184,8 @@ def load(isa: str) -> ctypes.CDLL | None:
                                       ptr, i64, f32, f32, ptr, ptr, ptr, ptr]
     lib.target_forward.restype = None
     lib.target_forward.argtypes = [ctypes.POINTER(_DecoderLayout), ptr, ctypes.POINTER(_Linear), i64, ptr, i64, ptr,
-                                   ptr, i64, ptr, i64, ctypes.c_int, i64, ptr, ptr]
+                                   ptr, i64, ptr, i64, ctypes.c_int, i64, ptr, ptr, ctypes.POINTER(RoundRuleArgs),
+                                   ctypes.POINTER(ctypes.c_double)]
     lib.kernel_vector_width.restype, lib.kernel_vector_width.argtypes = ctypes.c_int, []
     if lib.kernel_vector_width() != ISAS[isa].vector_width:
         raise RuntimeError(f"the {isa} build of cpu_kernels.c reports {lib.kernel_vector_width()}-float vectors")
@@ -386,17 +399,20 @@ class TargetStep:
         self._keep = [embed, head, decoder]
         self.hidden, self.vocab, self.head_rows = decoder.layout.hidden, embed.shape[0], head.out_features
         self._embed, self._head, self._decoder = embed.data_ptr(), _linear(head), ctypes.pointer(decoder.layout)
+        self._lib = _library()  # looked up once: `_library` reads the environment
 
-    def __call__(self, tokens: Sequence[int], cache: tuple[int, int, int, int, int, bool], last_n: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed `tokens` at `cache` (`FastLlamaCausalLM.native_slots`): (hidden [n, H], logits [last_n, rows])."""
+    def __call__(self, tokens: Sequence[int], cache: tuple[int, int, int, int, int, bool], last_n: int,
+                 rule: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed `tokens` at `cache` (`FastLlamaCausalLM.native_slots`): (hidden [n, H], logits [last_n, rows]).
+        `rule`: (pointer to `RoundRuleArgs`, pointer to a double for its seconds) to run on the logits
+        in the same call (`engine.acceptance.NativeRule.pointers`; rows must be the vocabulary)."""
         n = len(tokens)
         ids = (ctypes.c_int64 * n)(*tokens)
         if min(ids) < 0 or max(ids) >= self.vocab:
             raise IndexError(f"token ids must be in [0, {self.vocab}), got {list(ids)}")
         hidden, logits = torch.empty(n, self.hidden), torch.empty(last_n, self.head_rows)
-        _library().target_forward(self._decoder, self._embed, ctypes.byref(self._head), self.head_rows, ids, n,
-                                  *cache, last_n, hidden.data_ptr(), logits.data_ptr())
+        self._lib.target_forward(self._decoder, self._embed, ctypes.byref(self._head), self.head_rows, ids, n,
+                                  *cache, last_n, hidden.data_ptr(), logits.data_ptr(), *(rule or (None, None)))
         return hidden, logits
 
 
@@ -417,6 +433,7 @@ class FeatureStep:
             embed.data_ptr(), _linear(fc), _linear(head),
             None if head_ids is None else head_ids.data_ptr(), ctypes.pointer(decoder.layout), embed.shape[1],
             head.out_features)
+        self._lib = _library()  # looked up once: `_library` reads the environment
 
     def __call__(self, tokens: Sequence[int], features: torch.Tensor, cache: tuple[int, int, int, int, int, bool],
                  width: int, temperature: float, top_p: float, uniform: float
@@ -429,7 +446,7 @@ class FeatureStep:
         out = torch.empty(n, self.hidden)
         ids = torch.empty(1, width, dtype=torch.long)
         probs = torch.empty(1, width)
-        token = _library().feature_draft_step(
+        token = self._lib.feature_draft_step(
             ctypes.byref(self.layout), (ctypes.c_int64 * n)(*tokens), n, features.data_ptr(), *cache, out.data_ptr(),
             width, temperature, top_p, uniform, ids.data_ptr(), probs.data_ptr())
         return token, ids, probs, out
@@ -446,7 +463,7 @@ class FeatureStep:
         uniforms = uniforms.float().contiguous()
         out, drawn = torch.empty(n, self.hidden), torch.empty(n, dtype=torch.long)
         ids, probs = torch.empty(n, width, dtype=torch.long), torch.empty(n, width)
-        _library().feature_tree_step(
+        self._lib.feature_tree_step(
             ctypes.byref(self.layout), tokens.data_ptr(), n, features.data_ptr(), *cache, rope.data_ptr(), slot,
             mask.data_ptr(), out.data_ptr(), width, temperature, top_p, uniforms.data_ptr(), drawn.data_ptr(),
             ids.data_ptr(), probs.data_ptr())
@@ -468,7 +485,6 @@ def sampling_library() -> ctypes.CDLL | None:
     lib.sample_support.restype, lib.sample_support.argtypes = None, [ptr, i64, i64, i64, f32, f32, ptr, ptr]
     lib.draw_support.restype, lib.draw_support.argtypes = i64, [ptr, ptr, i64, f32]
     lib.verify_logits.restype = None
-    lib.verify_logits.argtypes = [ptr, i64, i64, f32, f32, ctypes.c_int, i64, ptr, ptr, i64, ptr, ptr, ptr, f32, f32,
-                                  f32, ptr, ptr, ptr]
+    lib.verify_logits.argtypes = [ptr, i64, ctypes.POINTER(RoundRuleArgs)]
     lib.sample_draw.restype, lib.sample_draw.argtypes = i64, [ptr, i64, i64, f32, f32, ptr, f32, ptr, ptr]
     return lib
