@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.acceptance import RandomDraws, RoundVerdict, verify_logits
+from engine.acceptance import NativeRule, RandomDraws, RoundVerdict, verify_logits
 from engine.config import SpecConfig
 from engine.detokenize import IncrementalDetokenizer
 from engine.drafters import Drafter, Proposal
@@ -82,7 +82,7 @@ def generate(
     metrics = SpecMetrics()
     no_draft = Proposal([], torch.empty(0, vocab))
     previous = cfg
-    params, cfg_dict = cfg.sampling, cfg.as_dict()  # rebuilt only in a round whose snapshot is new
+    params, cfg_dict, rule = _round_settings(cfg, vocab)  # rebuilt only in a round whose snapshot is new
     reason = "max_new_tokens"
     round_index = 0
     while len(generated) < cfg.max_new_tokens:
@@ -92,7 +92,7 @@ def generate(
         clock = PhaseClock()
         cfg = config.snapshot(previous)
         if cfg is not previous:
-            params, cfg_dict = cfg.sampling, cfg.as_dict()
+            params, cfg_dict, rule = _round_settings(cfg, vocab)
         remaining = cfg.max_new_tokens - len(generated)
         if remaining <= 0:
             break
@@ -110,15 +110,12 @@ def generate(
         verify_before = target.forward_seconds
         fed_from = target.length
         feed = ([] if pending_logits is not None else [context[-1]]) + proposal.tokens
-        logits = target.forward(feed, last_n=len(feed)) if feed else pending_logits[:0]
-        if pending_logits is not None:
-            logits = torch.cat([pending_logits, logits])
+        support, proposal, result, rule_seconds = verify_round(
+            target, feed, pending_logits, proposal, cfg, params, RandomDraws.take(stream, len(proposal.tokens)), rule)
         pending_logits = None
         verify_seconds = target.forward_seconds - verify_before
         clock.split("verify_other", "verify_forward", verify_seconds)
-
-        support, proposal, result = apply_rule(logits, proposal, cfg, params, stream)
-        clock.lap("sampling_rule")
+        clock.move("verify_other", "sampling_rule", rule_seconds)
         num_accepted = result.accepted_count
         target.rollback(len(context) + num_accepted)
         if observes and feed:
@@ -177,18 +174,67 @@ def generate(
     yield FinishEvent(reason, text, tuple(generated), metrics.summary(elapsed, prefill_seconds))
 
 
+def _round_settings(cfg: SpecConfig, vocab: int) -> tuple[SamplingParams, dict, NativeRule | None]:
+    """What a config snapshot fixes for its rounds: the sampling params, the config as a dict for the
+    events, and the native rule (`round_rule`)."""
+    return cfg.sampling, cfg.as_dict(), round_rule(cfg, vocab)
+
+
+def round_rule(cfg: SpecConfig, vocab: int) -> NativeRule | None:
+    """The native rule for a config snapshot's rounds over `vocab` target columns, where it applies
+    (`NativeRule.for_settings`): one per generation (or SSD row) and snapshot."""
+    return NativeRule.for_settings(_rule_method(cfg), cfg.sampling, vocab, cfg.delta, cfg.posterior_threshold,
+                                   cfg.posterior_alpha)
+
+
+def _rule_method(cfg: SpecConfig) -> str:
+    return "sps" if cfg.method == "ar" else cfg.method  # AR is SpS with K = 0
+
+
+def verify_round(target: CausalLM, feed: list[int], pending_logits: torch.Tensor | None, proposal: Proposal,
+                 cfg: SpecConfig, params: SamplingParams, draws: RandomDraws, rule: NativeRule | None
+                 ) -> tuple[tuple[torch.Tensor | None, torch.Tensor], Proposal, RoundVerdict, float]:
+    """A round's verification: the target forward over `feed` (after `pending_logits`, the prefill's
+    last row, when it is the round's first row) and the rule on the K+1 verified rows. Returns
+    (support, proposal, verdict) as `apply_rule` does, and the seconds the rule took (Python and
+    native: the caller books them apart from the forward).
+
+    With a native `rule` and a backend whose forward can run it (`CausalLM.forward_with_rule`), both
+    are one native call: no Python step runs between the forward and the rule, and the rule's own
+    time is not booked as the forward's."""
+    if rule is not None and pending_logits is None and feed and proposal.device.type == "cpu":
+        start = time.perf_counter()
+        rule.prepare(proposal, draws)
+        prepared = time.perf_counter()
+        if target.forward_with_rule(feed, rule) is not None:
+            done = time.perf_counter()
+            support, result = rule.verdict()
+            return support, proposal, result, prepared - start + rule.seconds + time.perf_counter() - done
+    logits = target.forward(feed, last_n=len(feed)) if feed else pending_logits[:0]
+    if pending_logits is not None:
+        logits = torch.cat([pending_logits, logits])
+    start = time.perf_counter()
+    support, proposal, result = apply_rule(logits, proposal, cfg, params, draws, rule)
+    return support, proposal, result, time.perf_counter() - start
+
+
 def apply_rule(logits: torch.Tensor, proposal: Proposal, cfg: SpecConfig, params: SamplingParams,
-               stream: UniformStream) -> tuple[tuple[torch.Tensor | None, torch.Tensor], Proposal, RoundVerdict]:
+               draws: RandomDraws, rule: NativeRule | None = None
+               ) -> tuple[tuple[torch.Tensor | None, torch.Tensor], Proposal, RoundVerdict]:
     """One round's verdict from the target's logits [K+1, V] at the verified positions: the target's
     rows under the round's sampling `params` (= cfg.sampling, built once per round by the caller) as
     `sparse_probs` gives them (ids, probs), the proposal moved to their device (the draft may live
-    elsewhere) and the acceptance rule's result, on the next draws of the sequence's stream. AR is
-    SpS with K = 0."""
+    elsewhere) and the acceptance rule's result on the round's `draws`, through the config's
+    prebuilt native `rule` where there is one. AR is SpS with K = 0."""
     if proposal.tokens and proposal.device != logits.device:
         proposal = Proposal(proposal.tokens, proposal.probs.to(logits.device))
+    if rule is not None and logits.is_cpu:
+        rule.prepare(proposal, draws)
+        rule.run(logits)
+        support, result = rule.verdict()
+        return support, proposal, result
     support, result = verify_logits(
-        "sps" if cfg.method == "ar" else cfg.method, logits, params, proposal,
-        RandomDraws.take(stream, len(proposal.tokens)),
+        _rule_method(cfg), logits, params, proposal, draws,
         delta=cfg.delta, posterior_threshold=cfg.posterior_threshold, posterior_alpha=cfg.posterior_alpha,
     )
     return support, proposal, result

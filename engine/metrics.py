@@ -45,6 +45,11 @@ class PhaseClock:
         self.seconds[phase] -= forward_seconds
         self.seconds[forward_phase] += forward_seconds
 
+    def move(self, phase: str, to_phase: str, seconds: float) -> None:
+        """Charge `seconds` of what `phase` holds to `to_phase` instead (a call that did both)."""
+        self.seconds[phase] -= seconds
+        self.seconds[to_phase] += seconds
+
     @property
     def total(self) -> float:
         return sum(self.seconds.values())

@@ -57,3 +57,83 @@ def test_native_round_gives_the_reference_tokens_and_statistics(method):
                 expected = getattr(reference, name)[0].tolist()
                 assert values == pytest.approx(expected, abs=1e-5), (name, trial, k)
     assert rounds > 240
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from engine.models import load_pair
+
+    return load_pair("tiny")
+
+
+@pytest.mark.skipif(not _native_available(), reason="native sampling kernels not built on this machine")
+@pytest.mark.parametrize("method", ["sps", "tas", "cactus"])
+def test_the_rule_inside_the_forward_call_gives_what_the_forward_then_the_rule_give(tiny, method):
+    """`CausalLM.forward_with_rule` (cpu_kernels.c target_forward running verify_logits on the rows it
+    wrote) against a plain forward and the rule's own call, on two copies of the tiny target fed the
+    same rounds: the same logits, support rows and verdict, bit for bit, and the forward booked alike."""
+    from engine.acceptance import NativeRule
+    from engine.models.fast_llama import FastLlamaCausalLM
+
+    fused, plain = (FastLlamaCausalLM(tiny.target_model, "fast", tiny.vocab_size, weight_dtype="q4_1_a16")
+                    for _ in range(2))
+    if fused._step is None:
+        pytest.skip("the native kernels did not build")
+    vocab = tiny.vocab_size
+    generator = torch.Generator().manual_seed(3)
+    prompt = tiny.encode_prompt("Tell me about the sea.")
+    for lm in (fused, plain):
+        lm.forward(prompt)
+    for trial in range(24):
+        k, params = trial % 4, SETTINGS[trial % len(SETTINGS)]
+        draft_ids, draft_support = torch_sparse_probs(torch.randn(k, vocab, generator=generator) * 3, params)
+        draft = dense_probs(draft_ids, draft_support, vocab)
+        tokens = sample_from(draft, torch.rand(k, generator=generator)).tolist() if k else []
+        proposal = (Proposal(tokens, support=(draft_ids, draft_support), vocab_size=vocab)
+                    if draft_ids is not None and trial % 2 else Proposal(tokens, draft))
+        draws = RandomDraws.draw(1, k, generator)
+        feed = [int(torch.randint(vocab, (1,), generator=generator))] + tokens
+        rule, reference_rule = (NativeRule.for_settings(method, params, vocab, 0.7) for _ in range(2))
+        rule.prepare(proposal, draws)
+        logits = fused.forward_with_rule(feed, rule)
+        (ids, probs), verdict = rule.verdict()
+        expected_logits = plain.forward(feed, last_n=len(feed))
+        reference_rule.prepare(proposal, draws)
+        reference_rule.run(expected_logits)
+        (expected_ids, expected_probs), expected = reference_rule.verdict()
+        assert torch.equal(logits, expected_logits) and torch.equal(fused.last_hidden, plain.last_hidden), trial
+        assert torch.equal(ids, expected_ids) and torch.equal(probs, expected_probs), trial
+        assert vars(verdict) | {"draws": None} == vars(expected) | {"draws": None}, trial
+        assert rule.seconds > 0.0
+        keep = len(prompt) + trial + 1  # keep one more token each round, as a round would
+        fused.rollback(keep)
+        plain.rollback(keep)
+    assert fused.length == plain.length and fused.num_forwards == plain.num_forwards
+
+
+@pytest.mark.skipif(not _native_available(), reason="native sampling kernels not built on this machine")
+def test_a_generation_is_the_same_with_the_rule_inside_the_forward_call(tiny, monkeypatch):
+    """The decoding loop on the tiny pair, sampled (top-k 20, so the native rule applies), with the
+    rule inside the verify forward and with it called after: the same tokens and round outcomes."""
+    from engine.config import SpecConfig
+    from engine.decoding import generate
+    from engine.events import RoundEvent
+    from engine.models.fast_llama import FastLlamaCausalLM
+
+    target, drafter = tiny.make_target(), tiny.make_drafter()
+    if not isinstance(target, FastLlamaCausalLM) or target._step is None:
+        pytest.skip("the fast backend's native forward is not available")
+    prompt = tiny.encode_prompt("Tell me about the sea.")
+
+    def run(method: str) -> list:
+        cfg = SpecConfig(method=method, num_speculative_tokens=2, temperature=0.8, top_k=20, top_p=0.9,
+                         max_new_tokens=24, seed=5)
+        return [(e.num_accepted, e.draft_token_ids, e.accepted_positions) if isinstance(e, RoundEvent) else e.token_ids
+                for e in generate(target, drafter, tiny.tokenizer, prompt, cfg)
+                if isinstance(e, RoundEvent) or hasattr(e, "token_ids")]
+
+    fused = {method: run(method) for method in ("ar", "sps", "cactus")}
+    calls = []
+    monkeypatch.setattr(FastLlamaCausalLM, "forward_with_rule", lambda self, tokens, rule: calls.append(1))
+    assert {method: run(method) for method in ("ar", "sps", "cactus")} == fused
+    assert calls  # the second runs did take the plain path

@@ -27,8 +27,9 @@ def engine(tiny_pair):
 
 
 class _SlowTarget:
-    """A real target whose every forward also sleeps: a verification long enough that a sized fill
-    has room to cache something (the regime SSD is built for), whatever this machine's speed."""
+    """A real target whose every forward (with the rule inside it or not) also sleeps: a verification
+    long enough that a sized fill has room to cache something (the regime SSD is built for), whatever
+    this machine's speed."""
 
     def __init__(self, lm, delay: float) -> None:
         object.__setattr__(self, "_lm", lm)
@@ -43,6 +44,10 @@ class _SlowTarget:
     def forward(self, *args, **kwargs):
         time.sleep(self._delay)
         return self._lm.forward(*args, **kwargs)
+
+    def forward_with_rule(self, *args, **kwargs):
+        time.sleep(self._delay)
+        return self._lm.forward_with_rule(*args, **kwargs)
 
 
 class _SlowTargetEngine(SSDEngine):

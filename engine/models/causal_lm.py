@@ -10,9 +10,13 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+if TYPE_CHECKING:  # annotations only
+    from engine.acceptance import NativeRule
 
 
 class CausalLM(ABC):
@@ -40,6 +44,12 @@ class CausalLM(ABC):
         logits = self._forward(tokens, last_n)
         self.book_forward(len(tokens), start)
         return logits
+
+    def forward_with_rule(self, tokens: Sequence[int], rule: NativeRule) -> torch.Tensor | None:
+        """`forward` of every fed position (logits [len(tokens), V]) with the round's prepared rule run
+        on them in the same native call, where this backend has one; None where it has not (nothing
+        ran: the caller forwards and runs the rule itself). The rule's own time is not the forward's."""
+        return None
 
     def forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
         """Append input vectors [n, hidden] (not token ids) to the cache; return the final-norm hidden

@@ -42,6 +42,7 @@ import time
 import weakref
 from functools import cached_property
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,9 @@ from transformers import PreTrainedModel
 
 from engine.models import cpu_kernels, huge_pages, q4_1_blocks
 from engine.models.causal_lm import CausalLM
+
+if TYPE_CHECKING:  # annotations only
+    from engine.acceptance import NativeRule
 
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8", "q4_1", "q4_1_a16")
 _GGUF_BLOCK_DTYPES = ("q4_1", "q4_1_a16")  # formats that look for a model's GGUF blocks (q4_1_blocks)
@@ -364,6 +368,16 @@ class FastLlamaCausalLM(CausalLM):
             self.last_hidden = h
             logits = self.w.lm_head(h[n - last_n:])
         return logits if logits.shape[1] == self.vocab_size else logits[:, : self.vocab_size]
+
+    def forward_with_rule(self, tokens: Sequence[int], rule: NativeRule) -> torch.Tensor | None:
+        n = len(tokens)
+        if self._step is None or self._step.head_rows != self.vocab_size or not n:
+            return None
+        start = time.perf_counter()
+        self.last_hidden, logits = self._step(tokens, self.native_slots(n), n, rule.pointers)
+        self.book_forward(n, start)
+        self.forward_seconds -= rule.seconds
+        return logits
 
     @cached_property
     def _step(self) -> cpu_kernels.TargetStep | None:

@@ -36,8 +36,8 @@ from functools import lru_cache
 import torch
 
 from engine.config import SpecConfig
-from engine.acceptance import VerifyResult
-from engine.decoding import _token_events, apply_rule
+from engine.acceptance import NativeRule, RandomDraws, VerifyResult
+from engine.decoding import _token_events, round_rule, verify_round
 from engine.detokenize import IncrementalDetokenizer
 from engine.drafters import Drafter, Proposal
 from engine.events import FinishEvent, RoundEvent, SSDRoundEvent, StartEvent, TimelineSpan, TokenEvent, WorkerEvent
@@ -77,6 +77,8 @@ class _Row:
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     generated: list[int] = field(default_factory=list)
     pending_logits: torch.Tensor | None = None
+    rule_settings: SpecConfig | None = None  # the config snapshot `rule` was built for
+    rule: NativeRule | None = None
     commit: list[int] = field(default_factory=list)
     outcome: tuple[int, int] | None = None
     lookup: tuple[int, int] | None = None  # the outcome the last request asked the worker's cache for
@@ -566,11 +568,12 @@ class SSDEngine:
         verify_start, forward_before = time.perf_counter(), row.target.forward_seconds
         fed_from = row.target.length
         feed = ([] if row.pending_logits is not None else [row.context[-1]]) + proposal.tokens
-        logits = row.target.forward(feed, last_n=len(feed)) if feed else row.pending_logits[:0]
-        if row.pending_logits is not None:
-            logits = torch.cat([row.pending_logits, logits])
+        if row.rule_settings is not cfg:
+            row.rule_settings, row.rule = cfg, round_rule(cfg, vocab)
+        target_probs, proposal, result, _ = verify_round(
+            row.target, feed, row.pending_logits, proposal, cfg, params,
+            RandomDraws.take(row.uniforms, len(proposal.tokens)), row.rule)
         row.pending_logits = None
-        target_probs, proposal, result = apply_rule(logits, proposal, cfg, params, row.uniforms)
         num_accepted = result.accepted_count
         row.target.rollback(len(row.context) + num_accepted)
         if row.target.keep_hidden and feed:
