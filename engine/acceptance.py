@@ -348,7 +348,7 @@ class NativeRule:
         width, temperature, top_p, code = plan
         self.width = width
         self.args = RoundRuleArgs(w=width, temperature=temperature, top_p=top_p, method=code, delta=delta,
-                                     posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
+                                  posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
         self._seconds = ctypes.c_double()
         self.pointers = (ctypes.pointer(self.args), ctypes.pointer(self._seconds))
         self._capacity = -1
