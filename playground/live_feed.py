@@ -298,24 +298,27 @@ PAGE_JS = """
   // From the Generate click until the run's final update the status line and token area keep at
   // least the height they had: the shorter streaming status and live row would otherwise move the
   // seven charts below up, a re-layout and re-raster of the page on the engine's cores.
-  const HOLD_GUARD_MS = 3000;
+  let held = false, toasts = 0;  // toasts: Gradio's error toasts on the page at the click
+  const countToasts = () => document.querySelectorAll('.toast-body').length;
   const hold = (on) => {
     const view = document.querySelector('#run-view');
     if (view) view.style.minHeight = on ? `${view.offsetHeight}px` : '';
+    held = on;
+    toasts = countToasts();
   };
   document.addEventListener('click', (event) => {
-    if (!event.target.closest || !event.target.closest('#generate-btn')) return;
-    hold(true);
-    // A click that starts no run (a refused setting, a full queue) must not keep the height.
-    setTimeout(() => { if (!document.querySelector('#tokens-live [data-feed]')) hold(false); }, HOLD_GUARD_MS);
+    if (event.target.closest && event.target.closest('#generate-btn')) hold(true);
   }, true);
   // One cheap query per batch of DOM changes: a new feed box starts following, a removed one (the
-  // run's final update) gives the token view back.
+  // run's final update) gives the token view back. A click that starts no run (a refused setting, a
+  // full queue) ends in a new Gradio error toast before any feed box: that lets go too. Not a timer: a
+  // run's first update can come seconds after the click on a loaded machine (a model loading).
   let current = null;
   new MutationObserver(() => {
     const box = document.querySelector('#tokens-live [data-feed]');
     if (box && box !== current) { hidePreviews(); previews = {}; showGradio(false); follow(box); }
     if (!box && current) { showGradio(true); hold(false); }
+    if (held && !box && !current && countToasts() > toasts) hold(false);
     current = box;
   }).observe(document.documentElement, {subtree: true, childList: true});
 })();
