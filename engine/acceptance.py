@@ -301,7 +301,7 @@ def verify_on_support(method: str, target_probs: torch.Tensor, draft_probs: torc
 
 def verify_logits(method: str, logits: torch.Tensor, params: SamplingParams, draft: Proposal, draws: RandomDraws, *,
                   delta: float = 1.0, posterior_threshold: float = 0.09,
-                  posterior_alpha: float = 0.3) -> tuple[tuple[torch.Tensor | None, torch.Tensor], RoundVerdict]:
+                  posterior_alpha: float = 0.3) -> tuple[TargetRows, RoundVerdict]:
     """One sequence's round from the target's logits [K+1, V]: the sampling transform
     (`sampling.sparse_probs`'s rows T_1..T_{K+1}) and the rule on the kept support
     (`verify_on_support`), for the drafted tokens and their D_i in `draft` (dense or sparse rows).
@@ -310,7 +310,7 @@ def verify_logits(method: str, logits: torch.Tensor, params: SamplingParams, dra
     (cpu_kernels.c `verify_logits`: the steps of `sparse_probs` and `verify` on the same columns in
     the same float32 / float64 precision, so the same draws give the same tokens up to float32
     rounding), handing back Python values in one conversion; otherwise the torch references run.
-    Returns ((ids, probs) or (None, dense probs), the round's verdict).
+    Returns (T_1..T_{K+1} as (ids, probs) or (None, dense probs), the round's verdict).
     """
     k = len(draft.tokens)
     if logits.shape[0] != k + 1:
@@ -318,17 +318,36 @@ def verify_logits(method: str, logits: torch.Tensor, params: SamplingParams, dra
     plan = _native_plan(method, params, logits.shape[-1], delta, posterior_threshold, posterior_alpha) \
         if logits.is_cpu else None
     if plan is None:
-        support = sparse_probs(logits, params)
-        ids, probs = support
+        ids, probs = sparse_probs(logits, params)
         dense = probs if ids is None else torch.zeros(k + 1, draft.vocab_size, device=probs.device).scatter_(-1, ids, probs)
         tokens = torch.tensor([draft.tokens], dtype=torch.long, device=dense.device)
-        return support, RoundVerdict.from_result(verify_on_support(
+        return TargetRows(ids, probs), RoundVerdict.from_result(verify_on_support(
             method, dense.unsqueeze(0), draft.probs.to(dense.device).unsqueeze(0), tokens, ids, delta=delta,
             posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha, draws=draws))
     rule = NativeRule(plan, delta, posterior_threshold, posterior_alpha)
     rule.prepare(draft, draws)
     rule.run(logits)
     return rule.verdict()
+
+
+class TargetRows:
+    """A round's verified rows T_1..T_{K+1} under its sampling settings, as (ids [K+1, w], probs [K+1, w])
+    or (None, dense probs [K+1, V]): rows [start, stop) of tensors that may hold other rounds' rows too.
+    `NativeRule` writes every round of a generation into one block and hands out its rows this way, so
+    a round nobody inspects (the benchmark, a page not asking) builds no tensor for them: a torch op
+    right after the target's forward costs ~15 us with the caches cold, 0.5 % of a decode round."""
+
+    __slots__ = ("_ids", "_probs", "_start", "_stop")
+
+    def __init__(self, ids: torch.Tensor | None, probs: torch.Tensor, start: int = 0,
+                 stop: int | None = None) -> None:
+        self._ids, self._probs = ids, probs
+        self._start, self._stop = start, probs.shape[0] if stop is None else stop
+
+    def tensors(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(ids or None, probs) of the round's rows only."""
+        rows = slice(self._start, self._stop)
+        return None if self._ids is None else self._ids[rows], self._probs[rows]
 
 
 class NativeRule:
@@ -352,6 +371,8 @@ class NativeRule:
         self._seconds = ctypes.c_double()
         self.pointers = (ctypes.pointer(self.args), ctypes.pointer(self._seconds))
         self._capacity = -1
+        self._block: tuple = (None, None, 0, 0)  # the output rows (ids, probs), their addresses
+        self._block_rows = self._next_row = 0
         self._round: tuple = ()
 
     @staticmethod
@@ -369,8 +390,9 @@ class NativeRule:
 
     def prepare(self, draft: Proposal, draws: RandomDraws) -> None:
         """Point the call at this round's drafted tokens, their D_i (dense or sparse rows) and draws,
-        and at fresh output rows (the round's events keep them)."""
+        and at the next unused rows of the output block (the round's events keep them)."""
         k = len(draft.tokens)
+        start = self._take_rows(k + 1)
         if k > self._capacity:  # the drafted tokens and the result block, grown to the largest K seen
             self._capacity = k
             self._tokens = (ctypes.c_int64 * max(k, 1))()
@@ -384,16 +406,27 @@ class NativeRule:
             draft_probs = draft.probs.float().contiguous()
         if k:
             self._tokens[:k] = draft.tokens
-        ids = torch.empty(k + 1, self.width, dtype=torch.long)
-        probs = torch.empty(k + 1, self.width)
         args.k = k
         args.d_ids = None if draft_ids is None else draft_ids.data_ptr()
         args.d_probs = None if draft_probs is None else draft_probs.data_ptr()
         args.d_w = draft.vocab_size if draft_probs is None else draft_probs.shape[-1]
         args.tokens = ctypes.addressof(self._tokens) if k else None
         args.u_accept, args.u_sample = draws.addresses()
-        args.t_ids, args.t_probs = ids.data_ptr(), probs.data_ptr()
-        self._round = (k, ids, probs, draws, draft_ids, draft_probs)  # the inputs kept alive until the call
+        _, _, ids_at, probs_at = self._block
+        args.t_ids, args.t_probs = ids_at + start * self.width * 8, probs_at + start * self.width * 4
+        self._round = (k, start, draws, draft_ids, draft_probs)  # the inputs kept alive until the call
+
+    def _take_rows(self, rows: int) -> int:
+        """The first of `rows` unused output rows, in a new block (of _BLOCK_ROWS or more) when the
+        current one is full: blocks are never reused, as the rows handed out stay readable."""
+        if self._next_row + rows > self._block_rows:
+            self._block_rows, self._next_row = max(_BLOCK_ROWS, rows), 0
+            ids = torch.empty(self._block_rows, self.width, dtype=torch.long)
+            probs = torch.empty(self._block_rows, self.width)
+            self._block = (ids, probs, ids.data_ptr(), probs.data_ptr())
+        start = self._next_row
+        self._next_row += rows
+        return start
 
     def run(self, logits: torch.Tensor) -> None:
         """The prepared round on logits [K+1, V] (their own call, for logits the forward did not rule on)."""
@@ -401,16 +434,24 @@ class NativeRule:
             logits = logits.detach().float().contiguous()
         _kernels().verify_logits(logits.data_ptr(), logits.shape[1], self.pointers[0])
 
-    def verdict(self) -> tuple[tuple[torch.Tensor, torch.Tensor], RoundVerdict]:
-        """The prepared round's ((ids, probs) of T_1..T_{K+1}, verdict) once the call ran."""
-        k, ids, probs, draws, _, _ = self._round
+    def verdict(self) -> tuple[TargetRows, RoundVerdict]:
+        """The prepared round's (T_1..T_{K+1} on their support, verdict) once the call ran."""
+        k, start, draws, _, _ = self._round
         self._round = ()
+        ids, probs, _, _ = self._block
         r = k + 2
+        # Rows of r values (cpu_kernels.c verify_logits): five per-position rows (K each), H(T_i) (K+1),
+        # the next token's T and D, then k, y and the K tests. Slices spelled out, not comprehensions:
+        # their frames cost ~5 us with the caches cold after the forward.
         values = self._stats[: 8 * r]
-        per_position = [values[i * r: i * r + k] for i in range(5)] + [values[5 * r: 5 * r + k + 1]]
-        passed = [bool(v) for v in values[7 * r + 2: 7 * r + 2 + k]]
-        return (ids, probs), RoundVerdict(int(values[7 * r]), int(values[7 * r + 1]), passed, per_position,
-                                          values[6 * r], values[6 * r + 1], draws)
+        per_position = [values[:k], values[r: r + k], values[2 * r: 2 * r + k], values[3 * r: 3 * r + k],
+                        values[4 * r: 4 * r + k], values[5 * r: 5 * r + k + 1]]
+        passed = list(map(bool, values[7 * r + 2: 7 * r + 2 + k]))
+        return TargetRows(ids, probs, start, start + k + 1), RoundVerdict(
+            int(values[7 * r]), int(values[7 * r + 1]), passed, per_position, values[6 * r], values[6 * r + 1], draws)
+
+
+_BLOCK_ROWS = 256  # output rows a NativeRule block holds: a new block every 256 decode rounds
 
 
 @lru_cache(maxsize=64)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.acceptance import NativeRule, RandomDraws, RoundVerdict, verify_logits
+from engine.acceptance import NativeRule, RandomDraws, RoundVerdict, TargetRows, verify_logits
 from engine.config import SpecConfig
 from engine.detokenize import IncrementalDetokenizer
 from engine.drafters import Drafter, Proposal
@@ -139,27 +139,32 @@ def generate(
         # An EOS among the accepted drafts ends the generation there: drafts after it were never
         # needed, so they count neither as drafted nor as accepted.
         counted = min(k, len(new_tokens)) if finished and len(new_tokens) <= num_accepted else k
-        fields = dict(
+        drafted, passed = tuple(proposal.tokens[:counted]), tuple(result.passed[:counted])
+        rejected_text = None if rejected is None else tokenizer.decode([rejected])
+        constraint_kl = sum(result.kl_values[: min(k, len(new_tokens))], 0.0)  # Σ over the round's token events
+        changes = cfg.changed_fields(previous) if round_index and cfg is not previous else ()
+        clock.lap("events")
+        round_event = RoundEvent(
             round_index=round_index,
             method=cfg.method,
             num_speculative_tokens=0 if cfg.method == "ar" else cfg.num_speculative_tokens,
             num_draft_tokens=counted,
-            draft_token_ids=tuple(proposal.tokens[:counted]),
+            draft_token_ids=drafted,
             num_accepted=min(num_accepted, counted),
             num_emitted=len(new_tokens),
-            accepted_positions=tuple(result.passed[:counted]),
+            accepted_positions=passed,
             rejected_token_id=rejected,
-            rejected_text=None if rejected is None else tokenizer.decode([rejected]),
-            constraint_kl=sum(e.constraint_kl for e in token_events),
+            rejected_text=rejected_text,
+            constraint_kl=constraint_kl,
             draft_seconds=draft_seconds,
             verify_seconds=verify_seconds,
             target_forwards=int(bool(feed)),
+            round_seconds=clock.total,
+            elapsed_seconds=time.perf_counter() - start,
             config=cfg_dict,
-            config_changes=cfg.changed_fields(previous) if round_index and cfg is not previous else (),
+            config_changes=changes,
+            phase_seconds=clock.seconds,
         )
-        clock.lap("events")
-        round_event = RoundEvent(**fields, round_seconds=clock.total, elapsed_seconds=time.perf_counter() - start,
-                                 phase_seconds=clock.seconds)
         metrics.add_round(round_event)
         yield from token_events
         yield round_event
@@ -193,7 +198,7 @@ def _rule_method(cfg: SpecConfig) -> str:
 
 def verify_round(target: CausalLM, feed: list[int], pending_logits: torch.Tensor | None, proposal: Proposal,
                  cfg: SpecConfig, params: SamplingParams, draws: RandomDraws, rule: NativeRule | None
-                 ) -> tuple[tuple[torch.Tensor | None, torch.Tensor], Proposal, RoundVerdict, float]:
+                 ) -> tuple[TargetRows, Proposal, RoundVerdict, float]:
     """A round's verification: the target forward over `feed` (after `pending_logits`, the prefill's
     last row, when it is the round's first row) and the rule on the K+1 verified rows. Returns
     (support, proposal, verdict) as `apply_rule` does, and the seconds the rule took (Python and
@@ -220,7 +225,7 @@ def verify_round(target: CausalLM, feed: list[int], pending_logits: torch.Tensor
 
 def apply_rule(logits: torch.Tensor, proposal: Proposal, cfg: SpecConfig, params: SamplingParams,
                draws: RandomDraws, rule: NativeRule | None = None
-               ) -> tuple[tuple[torch.Tensor | None, torch.Tensor], Proposal, RoundVerdict]:
+               ) -> tuple[TargetRows, Proposal, RoundVerdict]:
     """One round's verdict from the target's logits [K+1, V] at the verified positions: the target's
     rows under the round's sampling `params` (= cfg.sampling, built once per round by the caller) as
     `sparse_probs` gives them (ids, probs), the proposal moved to their device (the draft may live
@@ -240,7 +245,7 @@ def apply_rule(logits: torch.Tensor, proposal: Proposal, cfg: SpecConfig, params
     return support, proposal, result
 
 
-def _token_events(cfg: SpecConfig, result: RoundVerdict, support: tuple[torch.Tensor | None, torch.Tensor],
+def _token_events(cfg: SpecConfig, result: RoundVerdict, support: TargetRows,
                   proposal: Proposal, new_tokens: list[int], num_accepted: int, first_index: int, round_index: int,
                   detok: IncrementalDetokenizer, tokenizer: PreTrainedTokenizerBase,
                   sequence: int = 0) -> list[TokenEvent]:
@@ -292,7 +297,7 @@ class _RoundDetails(TokenDetails):
     """
 
     def __init__(self, detok: IncrementalDetokenizer, cfg: SpecConfig, result: RoundVerdict,
-                 support: tuple[torch.Tensor | None, torch.Tensor], proposal: Proposal,
+                 support: TargetRows, proposal: Proposal,
                  tokenizer: PreTrainedTokenizerBase) -> None:
         self._detok = detok
         self._rows: tuple | None = (cfg, result, support, proposal, tokenizer)
@@ -325,9 +330,9 @@ class _RoundDetails(TokenDetails):
         with self._lock:
             if self._rows is None:
                 return
-            cfg, result, (ids, probs), proposal, tokenizer = self._rows
+            cfg, result, support, proposal, tokenizer = self._rows
             self._rows = None
-            rows = RoundRows.of(ids, probs, proposal)
+            rows = RoundRows.of(*support.tensors(), proposal)
             rule = RuleSettings.from_config(cfg.as_dict())
             tested = range(min(result.accepted_count + 1, len(proposal.tokens)))
             self._divergences = [position_divergence(rule, *rows.on_union(pos)) for pos in tested]

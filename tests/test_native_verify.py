@@ -59,6 +59,34 @@ def test_native_round_gives_the_reference_tokens_and_statistics(method):
     assert rounds > 240
 
 
+@pytest.mark.skipif(not _native_available(), reason="native sampling kernels not built on this machine")
+def test_every_round_keeps_its_own_rows_across_output_blocks():
+    """One NativeRule writes a generation's rounds into shared output blocks (`TargetRows`): read
+    after 300 rounds of K = 0..3 (more rows than a block holds), each round's rows are still the
+    sampling transform of its own logits."""
+    from engine.acceptance import _BLOCK_ROWS, NativeRule
+
+    generator = torch.Generator().manual_seed(11)
+    params = SETTINGS[0]
+    rule = NativeRule.for_settings("sps", params, VOCAB)
+    kept = []
+    for trial in range(300):
+        k = trial % 4
+        logits = torch.randn(k + 1, VOCAB, generator=generator) * 3
+        draft = torch.softmax(torch.randn(k, VOCAB, generator=generator), dim=-1)
+        tokens = sample_from(draft, torch.rand(k, generator=generator)).tolist() if k else []
+        rule.prepare(Proposal(tokens, draft), RandomDraws.draw(1, k, generator))
+        rule.run(logits)
+        rows, _ = rule.verdict()
+        kept.append((logits, rows))
+    assert sum(logits.shape[0] for logits, _ in kept) > 2 * _BLOCK_ROWS
+    for trial, (logits, rows) in enumerate(kept):
+        ids, probs = rows.tensors()
+        expected_ids, expected_probs = torch_sparse_probs(logits, params)
+        assert torch.equal(ids, expected_ids), trial
+        torch.testing.assert_close(probs, expected_probs, rtol=0, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     from engine.models import load_pair
@@ -96,11 +124,13 @@ def test_the_rule_inside_the_forward_call_gives_what_the_forward_then_the_rule_g
         rule, reference_rule = (NativeRule.for_settings(method, params, vocab, 0.7) for _ in range(2))
         rule.prepare(proposal, draws)
         logits = fused.forward_with_rule(feed, rule)
-        (ids, probs), verdict = rule.verdict()
+        rows, verdict = rule.verdict()
+        ids, probs = rows.tensors()
         expected_logits = plain.forward(feed, last_n=len(feed))
         reference_rule.prepare(proposal, draws)
         reference_rule.run(expected_logits)
-        (expected_ids, expected_probs), expected = reference_rule.verdict()
+        expected_rows, expected = reference_rule.verdict()
+        expected_ids, expected_probs = expected_rows.tensors()
         assert torch.equal(logits, expected_logits) and torch.equal(fused.last_hidden, plain.last_hidden), trial
         assert torch.equal(ids, expected_ids) and torch.equal(probs, expected_probs), trial
         assert vars(verdict) | {"draws": None} == vars(expected) | {"draws": None}, trial

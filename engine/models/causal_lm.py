@@ -48,7 +48,8 @@ class CausalLM(ABC):
     def forward_with_rule(self, tokens: Sequence[int], rule: NativeRule) -> torch.Tensor | None:
         """`forward` of every fed position (logits [len(tokens), V]) with the round's prepared rule run
         on them in the same native call, where this backend has one; None where it has not (nothing
-        ran: the caller forwards and runs the rule itself). The rule's own time is not the forward's."""
+        ran: the caller forwards and runs the rule itself). The rule's own time is not the forward's.
+        The logits are the rule's input: a backend may overwrite them in its next such call."""
         return None
 
     def forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:

@@ -400,20 +400,36 @@ class TargetStep:
         self.hidden, self.vocab, self.head_rows = decoder.layout.hidden, embed.shape[0], head.out_features
         self._embed, self._head, self._decoder = embed.data_ptr(), _linear(head), ctypes.pointer(decoder.layout)
         self._lib = _library()  # looked up once: `_library` reads the environment
+        self._ids = (ctypes.c_int64 * 0)()
+        self._rule_logits: dict[int, tuple[torch.Tensor, int]] = {}  # rows -> (buffer, its address)
 
     def __call__(self, tokens: Sequence[int], cache: tuple[int, int, int, int, int, bool], last_n: int,
                  rule: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed `tokens` at `cache` (`FastLlamaCausalLM.native_slots`): (hidden [n, H], logits [last_n, rows]).
         `rule`: (pointer to `RoundRuleArgs`, pointer to a double for its seconds) to run on the logits
-        in the same call (`engine.acceptance.NativeRule.pointers`; rows must be the vocabulary)."""
+        in the same call (`engine.acceptance.NativeRule.pointers`; rows must be the vocabulary). The
+        logits are then the rule's input only: they are written to a buffer the next such call reuses
+        (a decode round allocates no 200 KB of logits)."""
         n = len(tokens)
-        ids = (ctypes.c_int64 * n)(*tokens)
-        if min(ids) < 0 or max(ids) >= self.vocab:
-            raise IndexError(f"token ids must be in [0, {self.vocab}), got {list(ids)}")
-        hidden, logits = torch.empty(n, self.hidden), torch.empty(last_n, self.head_rows)
-        self._lib.target_forward(self._decoder, self._embed, ctypes.byref(self._head), self.head_rows, ids, n,
-                                  *cache, last_n, hidden.data_ptr(), logits.data_ptr(), *(rule or (None, None)))
+        if min(tokens) < 0 or max(tokens) >= self.vocab:
+            raise IndexError(f"token ids must be in [0, {self.vocab}), got {list(tokens)}")
+        if n > len(self._ids):
+            self._ids = (ctypes.c_int64 * n)()
+        self._ids[:n] = tokens
+        hidden = torch.empty(n, self.hidden)
+        if rule is None:
+            logits = torch.empty(last_n, self.head_rows)
+            at = logits.data_ptr()
+        else:
+            logits, at = self._rule_logits.get(last_n) or self._rule_buffer(last_n)
+        self._lib.target_forward(self._decoder, self._embed, ctypes.byref(self._head), self.head_rows, self._ids, n,
+                                  *cache, last_n, hidden.data_ptr(), at, *(rule or (None, None)))
         return hidden, logits
+
+    def _rule_buffer(self, rows: int) -> tuple[torch.Tensor, int]:
+        logits = torch.empty(rows, self.head_rows)
+        self._rule_logits[rows] = logits, logits.data_ptr()
+        return self._rule_logits[rows]
 
 
 class FeatureStep:

@@ -36,7 +36,7 @@ from functools import lru_cache
 import torch
 
 from engine.config import SpecConfig
-from engine.acceptance import NativeRule, RandomDraws, VerifyResult
+from engine.acceptance import NativeRule, RandomDraws, TargetRows, VerifyResult
 from engine.decoding import _token_events, round_rule, verify_round
 from engine.detokenize import IncrementalDetokenizer
 from engine.drafters import Drafter, Proposal
@@ -628,7 +628,7 @@ class SSDEngine:
 class _Verified:
     """One sequence's verified round, kept until its events are built (after the next request is sent)."""
 
-    target_probs: torch.Tensor
+    target_probs: TargetRows
     proposal: Proposal
     result: VerifyResult
     num_accepted: int
