@@ -140,7 +140,6 @@ def generate(
         # needed, so they count neither as drafted nor as accepted.
         counted = min(k, len(new_tokens)) if finished and len(new_tokens) <= num_accepted else k
         drafted, passed = tuple(proposal.tokens[:counted]), tuple(result.passed[:counted])
-        rejected_text = None if rejected is None else tokenizer.decode([rejected])
         constraint_kl = sum(result.kl_values[: min(k, len(new_tokens))], 0.0)  # Σ over the round's token events
         changes = cfg.changed_fields(previous) if round_index and cfg is not previous else ()
         clock.lap("events")
@@ -154,7 +153,6 @@ def generate(
             num_emitted=len(new_tokens),
             accepted_positions=passed,
             rejected_token_id=rejected,
-            rejected_text=rejected_text,
             constraint_kl=constraint_kl,
             draft_seconds=draft_seconds,
             verify_seconds=verify_seconds,
@@ -164,6 +162,7 @@ def generate(
             config=cfg_dict,
             config_changes=changes,
             phase_seconds=clock.seconds,
+            details=token_events[0].details,
         )
         metrics.add_round(round_event)
         yield from token_events
@@ -309,6 +308,9 @@ class _RoundDetails(TokenDetails):
 
     def text(self, index: int) -> str:
         return self._detok.piece(index)
+
+    def token_text(self, token_id: int) -> str:
+        return self._detok.tokenizer.decode([token_id])
 
     def candidates(self, position: int) -> tuple[Candidate, ...]:
         self._derive()

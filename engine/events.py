@@ -72,6 +72,10 @@ class TokenDetails:
         """The round's acceptance test at every drafted position, in order."""
         return ()
 
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone (the round's rejected draft)."""
+        return ""
+
 
 @dataclass(frozen=True)
 class TokenEvent:
@@ -121,7 +125,6 @@ class RoundEvent:
     num_emitted: int
     accepted_positions: tuple[bool, ...]  # per drafted position: passed its test (before the cut)
     rejected_token_id: int | None
-    rejected_text: str | None
     constraint_kl: float  # Σ of the round's tokens' constraint_kl (Cactus only)
     draft_seconds: float
     verify_seconds: float
@@ -132,6 +135,12 @@ class RoundEvent:
     config_changes: tuple[str, ...] = ()  # fields changed since the previous round (live tuning)
     sequence: int = 0
     phase_seconds: dict = field(default_factory=dict)  # wall time per round phase (metrics.ROUND_PHASES)
+    details: TokenDetails = field(default_factory=TokenDetails, repr=False, compare=False)  # its tokens' details
+
+    @property
+    def rejected_text(self) -> str | None:
+        """The rejected draft token's text, decoded on first read (None when no draft was rejected)."""
+        return None if self.rejected_token_id is None else self.details.token_text(self.rejected_token_id)
 
     @property
     def overhead_seconds(self) -> float:

@@ -55,6 +55,10 @@ def test_event_stream_is_consistent(tiny_pair, backend):
     for r in rounds:
         if r.num_accepted < r.num_draft_tokens:
             assert r.rejected_token_id is not None
+            assert r.rejected_text == tiny_pair.tokenizer.decode([r.rejected_token_id])
+        else:
+            assert r.rejected_token_id is None and r.rejected_text is None
+    assert sum(r.constraint_kl for r in rounds) == pytest.approx(sum(t.constraint_kl for t in tokens))
     recovered = [t for t in tokens if t.status == "recovered"]
     assert recovered and all(t.gamma is not None and t.acceptance_prob < 1 for t in recovered)
     assert fin.metrics["constraint_kl_total"] == pytest.approx(sum(t.constraint_kl for t in tokens))

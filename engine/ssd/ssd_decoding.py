@@ -613,12 +613,11 @@ class SSDEngine:
             num_accepted=min(num_accepted, counted), num_emitted=len(new_tokens),
             accepted_positions=tuple(v.result.passed[:counted]),
             rejected_token_id=rejected,
-            rejected_text=None if rejected is None else self._token_text(rejected),
             constraint_kl=sum(e.constraint_kl for e in token_events), draft_seconds=v.draft_seconds,
             verify_seconds=v.verify_seconds, target_forwards=int(v.fed),
             round_seconds=time.perf_counter() - round_start, elapsed_seconds=time.perf_counter() - start,
             config=cfg_dict, config_changes=changes,
-            sequence=sequence,
+            sequence=sequence, details=token_events[0].details,
         )
         row.metrics.add_round(event)
         return token_events + [event]
