@@ -87,6 +87,25 @@ def test_every_round_keeps_its_own_rows_across_output_blocks():
         torch.testing.assert_close(probs, expected_probs, rtol=0, atol=1e-6)
 
 
+@pytest.mark.skipif(not _native_available(), reason="native sampling kernels not built on this machine")
+@pytest.mark.parametrize("levels", [None, 40, 3])
+def test_native_top_k_of_a_full_vocabulary_row_is_the_stable_one(levels):
+    """Over the default pair's vocabulary size (cpu_kernels.c top_k_row, which skips blocks of 64 at
+    once): the kept ids are the k largest logits, equal values in ascending id (a stable descending
+    sort), also where most values tie."""
+    from engine.sampling import native_support
+
+    generator = torch.Generator().manual_seed(5)
+    vocab = 49152
+    logits = torch.randn(4, vocab, generator=generator) * 3
+    if levels is not None:
+        logits = torch.randint(levels, (4, vocab), generator=generator).float()
+    for top_k in (1, 20, 64):
+        ids, _ = native_support(logits, SamplingParams(0.7, top_k, 1.0))
+        expected = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+        assert torch.equal(ids, expected), (levels, top_k)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     from engine.models import load_pair
