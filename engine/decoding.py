@@ -65,6 +65,8 @@ def generate(
     target.keep_hidden = observes
     if drafter is not None:
         drafter.start()
+    if observes:  # a verify then writes its hidden states into the draft's rows, where the backend can
+        target.feature_rows = drafter.target_feature_rows()
     detok = IncrementalDetokenizer(tokenizer)
     context = list(prompt_ids)
     generated: list[int] = []
@@ -119,7 +121,10 @@ def generate(
         num_accepted = result.accepted_count
         target.rollback(len(context) + num_accepted)
         if observes and feed:
-            drafter.observe_target(fed_from, target.last_hidden[: target.length - fed_from])
+            if target.last_hidden is None:  # written into target_feature_rows by the forward itself
+                drafter.observe_target_rows(fed_from, target.length - fed_from)
+            else:
+                drafter.observe_target(fed_from, target.last_hidden[: target.length - fed_from])
         clock.lap("rollback")
 
         new_tokens = proposal.tokens[:num_accepted] + [result.next_token]

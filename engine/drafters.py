@@ -65,7 +65,7 @@ class Proposal:
 ProposalShape = Callable[[torch.Tensor, int], torch.Tensor]
 
 if TYPE_CHECKING:  # models.registry builds drafters; import the interface only for type checking
-    from engine.models.causal_lm import CausalLM
+    from engine.models.causal_lm import CausalLM, FeatureRows
 
 
 class Drafter(ABC):
@@ -80,6 +80,15 @@ class Drafter(ABC):
 
     def observe_target(self, start: int, hidden: torch.Tensor) -> None:
         """The target's final hidden states [n, H] of the committed tokens at positions start..start+n-1."""
+
+    def target_feature_rows(self) -> FeatureRows | None:
+        """Where the target may write its hidden states itself (then `observe_target_rows` instead
+        of `observe_target`), or None: this drafter takes them as tensors only."""
+        return None
+
+    def observe_target_rows(self, start: int, n: int) -> None:
+        """`observe_target` for n rows from position `start` the target wrote into `target_feature_rows`."""
+        raise NotImplementedError(f"{type(self).__name__} offers no feature rows")
 
     @abstractmethod
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: torch.Tensor) -> Proposal:

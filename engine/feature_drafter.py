@@ -18,7 +18,7 @@ import torch
 
 from engine.drafters import Drafter, Proposal, ProposalShape, branch_proposals
 from engine.models import cpu_kernels
-from engine.models.causal_lm import CausalLM
+from engine.models.causal_lm import CausalLM, FeatureRows
 from engine.models.fast_llama import PackedLinear, onto_huge_pages
 from engine.models.feature_draft import FeatureDraft
 from engine.models.q4_1_blocks import round_to_q4_1
@@ -69,7 +69,7 @@ class FeatureDrafter(Drafter):
         self.fc, self.head = _packed(draft, dtype, head_dtype or dtype, full_head, vocab_size)
         # Real target features f_0..f_{F-1} in the first F rows of a buffer that doubles when full
         # (appending by concatenation would copy the whole history every round).
-        self._feature_rows = torch.empty(256, self.embed.shape[1])
+        self._set_rows(torch.empty(256, self.embed.shape[1]))
         self._num_features = 0
         self._entries: list[int] = []  # t_j of each draft KV entry j-1 (entry i is position i+1)
         self._outputs: list[torch.Tensor] = []  # f̂ of each entry
@@ -93,15 +93,40 @@ class FeatureDrafter(Drafter):
         return self.lm.forward_seconds + self._extra_seconds
 
     def observe_target(self, start: int, hidden: torch.Tensor) -> None:
-        if start > self._num_features:
-            raise ValueError(f"target features jump from position {self._num_features} to {start}")
+        self._check_start(start)
         end = start + hidden.shape[0]
-        if end > len(self._feature_rows):
-            grown = torch.empty(max(end, 2 * len(self._feature_rows)), self._feature_rows.shape[1])
-            grown[:start] = self._feature_rows[:start]
-            self._feature_rows = grown
+        self._hold(end)
         self._feature_rows[start:end] = hidden.detach()
         self._num_features = end
+
+    def target_feature_rows(self) -> FeatureRows:
+        return self
+
+    def rows_at(self, start: int, n: int) -> int:
+        """`causal_lm.FeatureRows`: the target's forward writes rows [start, start + n) here itself.
+        A verify writes every fed position; `observe_target_rows` then keeps the committed ones."""
+        self._check_start(start)
+        self._hold(start + n)
+        return self._rows_address + start * self._row_bytes
+
+    def observe_target_rows(self, start: int, n: int) -> None:
+        self._check_start(start)
+        self._num_features = start + n
+
+    def _check_start(self, start: int) -> None:
+        if start > self._num_features:
+            raise ValueError(f"target features jump from position {self._num_features} to {start}")
+
+    def _hold(self, end: int) -> None:
+        """Grow the feature buffer (doubling, the known rows kept) to hold `end` rows."""
+        if end > self._capacity:
+            grown = torch.empty(max(end, 2 * self._capacity), self._feature_rows.shape[1])
+            grown[: self._num_features] = self._feature_rows[: self._num_features]
+            self._set_rows(grown)
+
+    def _set_rows(self, rows: torch.Tensor) -> None:
+        self._feature_rows, self._capacity = rows, rows.shape[0]
+        self._rows_address, self._row_bytes = rows.data_ptr(), rows.stride(0) * rows.element_size()
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: torch.Tensor) -> Proposal:
@@ -240,8 +265,8 @@ class FeatureDrafter(Drafter):
         token, ids, probs, out = self._step(tokens, features, self.lm.native_slots(len(tokens)), width, temperature,
                                             top_p, uniform)
         self.lm.book_forward(len(tokens), start)
-        self._entries.extend(int(t) for t in tokens)
-        self._outputs.extend([out] if out.shape[0] == 1 else out.split(1))
+        self._entries.extend(tokens)  # ints: context slices or the token just drawn
+        self._outputs.extend([out] if len(tokens) == 1 else out.split(1))
         return [token], ids, probs
 
     def _feed(self, tokens: Sequence[int], features: torch.Tensor) -> torch.Tensor:

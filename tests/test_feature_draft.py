@@ -192,6 +192,33 @@ def test_one_native_call_per_draft_step_gives_the_same_bits(feature_pair, weight
     assert fused.lm.num_forwards == plain.lm.num_forwards and fused.lm.length == plain.lm.length
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_target_writing_its_features_into_the_drafts_rows_gives_the_same_rounds(feature_pair, k):
+    """Where the target's verify is one native call, it writes its hidden states straight into the
+    feature draft's rows (`FeatureRows`), growing them past their first 256: the same rounds as
+    with the states handed over as tensors and copied (`observe_target`)."""
+    if not cpu_kernels.available():
+        pytest.skip("the native kernels did not build")
+    target = feature_pair.make_target("fast", "q4_1_a16")
+    direct, handed = (feature_pair.make_drafter("model", "fast", "q4_1_a16") for _ in range(2))
+    handed.target_feature_rows = lambda: None
+    prompt = feature_pair.tokenizer("the cat sat on " * 15)["input_ids"]
+    assert 200 < len(prompt) < 256
+    cfg = SpecConfig(method="sps", num_speculative_tokens=k, max_new_tokens=80, temperature=0.8, top_k=20, top_p=0.9,
+                     seed=4)
+    written = []
+    rows_at = direct.rows_at
+    direct.rows_at = lambda start, n: written.append(n) or rows_at(start, n)
+
+    def rounds(drafter):
+        return [(e.draft_token_ids, e.num_accepted, e.num_emitted) if isinstance(e, RoundEvent) else
+                (e.token_id, e.draft_prob, e.target_prob)
+                for e in generate(target, drafter, feature_pair.tokenizer, prompt, cfg) if hasattr(e, "round_index")]
+
+    assert rounds(direct) == rounds(handed)
+    assert len(written) > 20 and direct._capacity > 256
+
+
 def test_drafter_without_target_features_says_so(feature_pair):
     drafter = feature_pair.make_drafter("model")
     drafter.start()

@@ -10,13 +10,23 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 if TYPE_CHECKING:  # annotations only
     from engine.acceptance import NativeRule
+
+
+class FeatureRows(Protocol):
+    """Where a feature-level draft keeps the target's hidden states by position, as contiguous
+    float32 rows [*, hidden]: a backend that computes them natively writes a verify's rows straight
+    there (`CausalLM.feature_rows`), saving the tensor hand-over and copy after every round."""
+
+    def rows_at(self, start: int, n: int) -> int:
+        """The address of rows [start, start + n), the buffer grown first to hold them."""
+        ...
 
 
 class CausalLM(ABC):
@@ -34,7 +44,10 @@ class CausalLM(ABC):
         # Feature-level drafts read the target's final (post-norm) hidden states of every fed
         # token; backends that would pay extra to keep them do so only when asked.
         self.keep_hidden = False
-        self.last_hidden: torch.Tensor | None = None  # [tokens fed in the last forward, hidden]
+        # [tokens fed in the last forward, hidden]; None after a forward that wrote them into
+        # `feature_rows` instead (a feature draft's own buffer, set per generation, cleared by reset)
+        self.last_hidden: torch.Tensor | None = None
+        self.feature_rows: FeatureRows | None = None
 
     def forward(self, tokens: Sequence[int], last_n: int = 1) -> torch.Tensor:
         """Append `tokens` to the cache; return float32 logits [last_n, V] of the last positions."""
@@ -49,7 +62,9 @@ class CausalLM(ABC):
         """`forward` of every fed position (logits [len(tokens), V]) with the round's prepared rule run
         on them in the same native call, where this backend has one; None where it has not (nothing
         ran: the caller forwards and runs the rule itself). The rule's own time is not the forward's.
-        The logits are the rule's input: a backend may overwrite them in its next such call."""
+        The logits are the rule's input: a backend may overwrite them in its next such call. With
+        `feature_rows` set, a backend may write the fed positions' hidden states there (into rows at
+        their positions) and leave `last_hidden` None: no tensor is handed over and copied."""
         return None
 
     def forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
@@ -97,6 +112,7 @@ class CausalLM(ABC):
     def reset(self) -> None:
         self._reset()
         self.length = 0
+        self.feature_rows = None
 
     @abstractmethod
     def _forward(self, tokens: Sequence[int], last_n: int) -> torch.Tensor: ...

@@ -404,26 +404,30 @@ class TargetStep:
         self._rule_logits: dict[int, tuple[torch.Tensor, int]] = {}  # rows -> (buffer, its address)
 
     def __call__(self, tokens: Sequence[int], cache: tuple[int, int, int, int, int, bool], last_n: int,
-                 rule: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 rule: tuple | None = None, hidden_at: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Feed `tokens` at `cache` (`FastLlamaCausalLM.native_slots`): (hidden [n, H], logits [last_n, rows]).
         `rule`: (pointer to `RoundRuleArgs`, pointer to a double for its seconds) to run on the logits
         in the same call (`engine.acceptance.NativeRule.pointers`; rows must be the vocabulary). The
         logits are then the rule's input only: they are written to a buffer the next such call reuses
-        (a decode round allocates no 200 KB of logits)."""
+        (a decode round allocates no 200 KB of logits). `hidden_at`: the address of n float32 rows
+        to write the hidden states to (`causal_lm.FeatureRows`); hidden is then None."""
         n = len(tokens)
         if min(tokens) < 0 or max(tokens) >= self.vocab:
             raise IndexError(f"token ids must be in [0, {self.vocab}), got {list(tokens)}")
         if n > len(self._ids):
             self._ids = (ctypes.c_int64 * n)()
         self._ids[:n] = tokens
-        hidden = torch.empty(n, self.hidden)
+        hidden = None
+        if hidden_at is None:
+            hidden = torch.empty(n, self.hidden)
+            hidden_at = hidden.data_ptr()
         if rule is None:
             logits = torch.empty(last_n, self.head_rows)
             at = logits.data_ptr()
         else:
             logits, at = self._rule_logits.get(last_n) or self._rule_buffer(last_n)
         self._lib.target_forward(self._decoder, self._embed, ctypes.byref(self._head), self.head_rows, self._ids, n,
-                                  *cache, last_n, hidden.data_ptr(), at, *(rule or (None, None)))
+                                  *cache, last_n, hidden_at, at, *(rule or (None, None)))
         return hidden, logits
 
     def _rule_buffer(self, rows: int) -> tuple[torch.Tensor, int]:

@@ -374,7 +374,8 @@ class FastLlamaCausalLM(CausalLM):
         if self._step is None or self._step.head_rows != self.vocab_size or not n:
             return None
         start = time.perf_counter()
-        self.last_hidden, logits = self._step(tokens, self.native_slots(n), n, rule.pointers)
+        hidden_at = None if self.feature_rows is None else self.feature_rows.rows_at(self.length, n)
+        self.last_hidden, logits = self._step(tokens, self.native_slots(n), n, rule.pointers, hidden_at)
         self.book_forward(n, start)
         self.forward_seconds -= rule.seconds
         return logits
