@@ -115,15 +115,26 @@ def tiny():
 
 @pytest.mark.skipif(not _native_available(), reason="native sampling kernels not built on this machine")
 @pytest.mark.parametrize("method", ["sps", "tas", "cactus"])
-def test_the_rule_inside_the_forward_call_gives_what_the_forward_then_the_rule_give(tiny, method):
+@pytest.mark.parametrize("tied_columns", [False, True])
+def test_the_rule_inside_the_forward_call_gives_what_the_forward_then_the_rule_give(tiny, method, tied_columns):
     """`CausalLM.forward_with_rule` (cpu_kernels.c target_forward running verify_logits on the rows it
     wrote) against a plain forward and the rule's own call, on two copies of the tiny target fed the
-    same rounds: the same logits, support rows and verdict, bit for bit, and the forward booked alike."""
+    same rounds: the same logits, support rows and verdict, bit for bit, and the forward booked alike.
+    `tied_columns`: the head's second half repeats its first, so the kept rows hold equal logits far
+    apart (in different threads' columns of the head) and their order is compared too."""
+    import copy
+
     from engine.acceptance import NativeRule
     from engine.models.fast_llama import FastLlamaCausalLM
 
-    fused, plain = (FastLlamaCausalLM(tiny.target_model, "fast", tiny.vocab_size, weight_dtype="q4_1_a16")
-                    for _ in range(2))
+    model = tiny.target_model
+    half = tiny.vocab_size // 2
+    if tied_columns:
+        model = copy.deepcopy(model)
+        with torch.no_grad():
+            model.lm_head.weight[half: 2 * half] = model.lm_head.weight[:half]
+    fused, plain = (FastLlamaCausalLM(model, "fast", tiny.vocab_size, weight_dtype="q4_1_a16") for _ in range(2))
+    ties = 0
     if fused._step is None:
         pytest.skip("the native kernels did not build")
     vocab = tiny.vocab_size
@@ -154,10 +165,14 @@ def test_the_rule_inside_the_forward_call_gives_what_the_forward_then_the_rule_g
         assert torch.equal(ids, expected_ids) and torch.equal(probs, expected_probs), trial
         assert vars(verdict) | {"draws": None} == vars(expected) | {"draws": None}, trial
         assert rule.seconds > 0.0
+        for row_ids, row_probs in zip(expected_ids.tolist(), expected_probs.tolist()):  # equal logits kept
+            kept = dict(zip(row_ids, row_probs))
+            ties += sum(kept.get(t + half) == p > 0 for t, p in kept.items())
         keep = len(prompt) + trial + 1  # keep one more token each round, as a round would
         fused.rollback(keep)
         plain.rollback(keep)
     assert fused.length == plain.length and fused.num_forwards == plain.num_forwards
+    assert (ties > 10) == tied_columns
 
 
 @pytest.mark.skipif(not _native_available(), reason="native sampling kernels not built on this machine")
