@@ -211,7 +211,8 @@ def verify_round(target: CausalLM, feed: list[int], pending_logits: torch.Tensor
     With a native `rule` and a backend whose forward can run it (`CausalLM.forward_with_rule`), both
     are one native call: no Python step runs between the forward and the rule, and the rule's own
     time is not booked as the forward's."""
-    if rule is not None and pending_logits is None and feed and proposal.device.type == "cpu":
+    on_cpu = not proposal.tokens or proposal.device.type == "cpu"  # no torch attribute read for AR
+    if rule is not None and pending_logits is None and feed and on_cpu:
         start = time.perf_counter()
         rule.prepare(proposal, draws)
         prepared = time.perf_counter()
