@@ -45,7 +45,7 @@ class RandomDraws:
     def __init__(self, u_accept: torch.Tensor | None, u_sample: torch.Tensor | None) -> None:
         """Both tensors, or (from `take` only) neither: then they are read from the stream's span."""
         self._u_accept, self._u_sample = u_accept, u_sample
-        self._span: tuple[torch.Tensor, int, int] | None = None
+        self._span: tuple[torch.Tensor, int, int, int] | None = None  # (block, offset, k, address)
 
     @staticmethod
     def draw(batch: int, k: int, generator: torch.Generator | None = None) -> "RandomDraws":
@@ -59,30 +59,29 @@ class RandomDraws:
         """One sequence's draws, the next k + 1 numbers of its stream: the same u_accept [1, k] and
         u_sample [1] as `draw(1, k, generator)` on that stream's generator."""
         draws = RandomDraws(None, None)
-        block, at = stream.take_span(k + 1)
-        draws._span = (block, at, k)
+        block, at, address = stream.take_span(k + 1)
+        draws._span = (block, at, k, address)
         return draws
 
     @property
     def u_accept(self) -> torch.Tensor:
         if self._u_accept is None:
-            block, at, k = self._span
+            block, at, k, _ = self._span
             self._u_accept = block[at: at + k].view(1, k)
         return self._u_accept
 
     @property
     def u_sample(self) -> torch.Tensor:
         if self._u_sample is None:
-            block, at, k = self._span
+            block, at, k, _ = self._span
             self._u_sample = block[at + k: at + k + 1]
         return self._u_sample
 
     def addresses(self) -> tuple[int, int]:
         """Where u_accept and u_sample start in memory, as float32 arrays (row-major, contiguous)."""
         if self._span is not None:
-            block, at, k = self._span
-            start = block.data_ptr() + at * block.element_size()
-            return start, start + k * block.element_size()
+            _, _, k, start = self._span
+            return start, start + 4 * k  # float32
         self._u_accept, self._u_sample = self.u_accept.contiguous(), self.u_sample.contiguous()  # kept alive
         return self._u_accept.data_ptr(), self._u_sample.data_ptr()
 

@@ -19,13 +19,18 @@ BLOCK = 4096  # uniforms per generator call: about a thousand rounds at K = 1
 class UniformStream:
     """The uniforms of torch.Generator().manual_seed(seed), handed out in order as tensor views."""
 
-    __slots__ = ("_generator", "_block", "_at", "position")
+    __slots__ = ("_generator", "_block", "_size", "_address", "_at", "position")
 
     def __init__(self, seed: int) -> None:
         self._generator = torch.Generator().manual_seed(int(seed))
-        self._block = torch.empty(0)
+        self._set_block(torch.empty(0))
         self._at = 0
         self.position = 0  # uniforms handed out so far
+
+    def _set_block(self, block: torch.Tensor) -> None:
+        # Its size and address kept as ints: a round then reads no torch attribute for its draws
+        # (a torch call right after the target's forward costs ~10 us with the caches cold).
+        self._block, self._size, self._address = block, block.shape[0], block.data_ptr()
 
     def skip_to(self, position: int) -> None:
         """Pass over the uniforms before `position` (another process drew them from its copy of the stream)."""
@@ -35,16 +40,16 @@ class UniformStream:
 
     def take(self, n: int) -> torch.Tensor:
         """The next n uniforms in [0, 1) as a float32 view [n] (read-only by convention)."""
-        block, at = self.take_span(n)
+        block, at, _ = self.take_span(n)
         return block[at: at + n]
 
-    def take_span(self, n: int) -> tuple[torch.Tensor, int]:
-        """The next n uniforms as (the float32 block holding them, their offset in it), without
-        building a tensor for them: for a native caller that reads them by address."""
-        if self._at + n > self._block.shape[0]:
+    def take_span(self, n: int) -> tuple[torch.Tensor, int, int]:
+        """The next n uniforms as (the float32 block holding them, their offset in it, the address of
+        the first), without building a tensor for them: for a native caller that reads them by address."""
+        if self._at + n > self._size:
             fresh = torch.rand(max(BLOCK, n), generator=self._generator)
-            self._block = torch.cat([self._block[self._at:], fresh])
+            self._set_block(torch.cat([self._block[self._at:], fresh]))
             self._at = 0
         self._at += n
         self.position += n
-        return self._block, self._at - n
+        return self._block, self._at - n, self._address + 4 * (self._at - n)

@@ -24,6 +24,20 @@ def test_a_rounds_draws_from_the_stream_equal_the_generator_draws():
         assert mine.u_accept.shape == (1, k) and mine.u_sample.shape == (1,)
 
 
+def test_a_rounds_draws_are_read_by_address_across_block_boundaries():
+    """The native rule reads u_accept and u_sample by the addresses the stream keeps as ints
+    (`RandomDraws.addresses`): they point at the very numbers the tensors hold, also after a refill."""
+    import ctypes
+
+    stream = UniformStream(5)
+    for round_index in range(3 * BLOCK // 3):
+        k = round_index % 3
+        draws = RandomDraws.take(stream, k)
+        accept_at, sample_at = draws.addresses()
+        assert list((ctypes.c_float * k).from_address(accept_at)) == draws.u_accept.flatten().tolist()
+        assert ctypes.c_float.from_address(sample_at).value == draws.u_sample.item()
+
+
 def test_two_copies_of_a_stream_share_it_by_position():
     """SSD's worker drafts with the draws at a position of the sequence's stream that the main
     process passes over: skipping to a position gives the same numbers as taking up to it."""

@@ -44,8 +44,9 @@ class CausalLM(ABC):
         # Feature-level drafts read the target's final (post-norm) hidden states of every fed
         # token; backends that would pay extra to keep them do so only when asked.
         self.keep_hidden = False
-        # [tokens fed in the last forward, hidden]; None after a forward that wrote them into
-        # `feature_rows` instead (a feature draft's own buffer, set per generation, cleared by reset)
+        # [tokens fed in the last forward, hidden]; None after a forward with a rule that wrote them
+        # into `feature_rows` (a feature draft's own buffer, set per generation, cleared by reset)
+        # or that was not asked to keep them
         self.last_hidden: torch.Tensor | None = None
         self.feature_rows: FeatureRows | None = None
 
@@ -64,7 +65,8 @@ class CausalLM(ABC):
         ran: the caller forwards and runs the rule itself). The rule's own time is not the forward's.
         The logits are the rule's input: a backend may overwrite them in its next such call. With
         `feature_rows` set, a backend may write the fed positions' hidden states there (into rows at
-        their positions) and leave `last_hidden` None: no tensor is handed over and copied."""
+        their positions) and leave `last_hidden` None: no tensor is handed over and copied; with
+        `keep_hidden` off it may leave `last_hidden` None too."""
         return None
 
     def forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:

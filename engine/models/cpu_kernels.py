@@ -401,7 +401,7 @@ class TargetStep:
         self._embed, self._head, self._decoder = embed.data_ptr(), _linear(head), ctypes.pointer(decoder.layout)
         self._lib = _library()  # looked up once: `_library` reads the environment
         self._ids = (ctypes.c_int64 * 0)()
-        self._rule_logits: dict[int, tuple[torch.Tensor, int]] = {}  # rows -> (buffer, its address)
+        self._scratch: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}  # (what, rows) -> (buffer, address)
 
     def __call__(self, tokens: Sequence[int], cache: tuple[int, int, int, int, int, bool], last_n: int,
                  rule: tuple | None = None, hidden_at: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -410,7 +410,8 @@ class TargetStep:
         in the same call (`engine.acceptance.NativeRule.pointers`; rows must be the vocabulary). The
         logits are then the rule's input only: they are written to a buffer the next such call reuses
         (a decode round allocates no 200 KB of logits). `hidden_at`: the address of n float32 rows
-        to write the hidden states to (`causal_lm.FeatureRows`); hidden is then None."""
+        to write the hidden states to (`causal_lm.FeatureRows`, or a `scratch` buffer where nobody
+        reads them); hidden is then None."""
         n = len(tokens)
         if min(tokens) < 0 or max(tokens) >= self.vocab:
             raise IndexError(f"token ids must be in [0, {self.vocab}), got {list(tokens)}")
@@ -425,15 +426,19 @@ class TargetStep:
             logits = torch.empty(last_n, self.head_rows)
             at = logits.data_ptr()
         else:
-            logits, at = self._rule_logits.get(last_n) or self._rule_buffer(last_n)
+            logits, at = self.scratch("logits", last_n)
         self._lib.target_forward(self._decoder, self._embed, ctypes.byref(self._head), self.head_rows, self._ids, n,
                                   *cache, last_n, hidden_at, at, *(rule or (None, None)))
         return hidden, logits
 
-    def _rule_buffer(self, rows: int) -> tuple[torch.Tensor, int]:
-        logits = torch.empty(rows, self.head_rows)
-        self._rule_logits[rows] = logits, logits.data_ptr()
-        return self._rule_logits[rows]
+    def scratch(self, what: str, rows: int) -> tuple[torch.Tensor, int]:
+        """A buffer of `rows` rows of "logits" or "hidden" that every call asking for the same is
+        handed again, and its address: for outputs no caller keeps past the next call."""
+        buffer = self._scratch.get((what, rows))
+        if buffer is None:
+            tensor = torch.empty(rows, self.head_rows if what == "logits" else self.hidden)
+            buffer = self._scratch[what, rows] = tensor, tensor.data_ptr()
+        return buffer
 
 
 class FeatureStep:

@@ -374,7 +374,11 @@ class FastLlamaCausalLM(CausalLM):
         if self._step is None or self._step.head_rows != self.vocab_size or not n:
             return None
         start = time.perf_counter()
-        hidden_at = None if self.feature_rows is None else self.feature_rows.rows_at(self.length, n)
+        hidden_at = None  # where the hidden states go: a new tensor, the draft's rows, or a scratch
+        if self.feature_rows is not None:
+            hidden_at = self.feature_rows.rows_at(self.length, n)
+        elif not self.keep_hidden:
+            hidden_at = self._step.scratch("hidden", n)[1]
         self.last_hidden, logits = self._step(tokens, self.native_slots(n), n, rule.pointers, hidden_at)
         self.book_forward(n, start)
         self.forward_seconds -= rule.seconds
