@@ -233,7 +233,7 @@ def apply_rule(logits: torch.Tensor, proposal: Proposal, cfg: SpecConfig, params
                ) -> tuple[TargetRows, Proposal, RoundVerdict]:
     """One round's verdict from the target's logits [K+1, V] at the verified positions: the target's
     rows under the round's sampling `params` (= cfg.sampling, built once per round by the caller) as
-    `sparse_probs` gives them (ids, probs), the proposal moved to their device (the draft may live
+    `sparse_probs` gives them (`TargetRows`), the proposal moved to their device (the draft may live
     elsewhere) and the acceptance rule's result on the round's `draws`, through the config's
     prebuilt native `rule` where there is one. AR is SpS with K = 0."""
     if proposal.tokens and proposal.device != logits.device:
