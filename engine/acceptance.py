@@ -22,6 +22,7 @@ import torch
 
 from engine.sampling import (SamplingParams, entropy, native_temperature_top_p, native_width_for, sample_from,
                              sparse_probs)
+from engine.support_rows import SupportBlocks, SupportRows
 from engine.uniform_stream import UniformStream
 
 if TYPE_CHECKING:  # annotations only
@@ -331,22 +332,22 @@ def verify_logits(method: str, logits: torch.Tensor, params: SamplingParams, dra
 
 class TargetRows:
     """A round's verified rows T_1..T_{K+1} under its sampling settings, as (ids [K+1, w], probs [K+1, w])
-    or (None, dense probs [K+1, V]): rows [start, stop) of tensors that may hold other rounds' rows too.
-    `NativeRule` writes every round of a generation into one block and hands out its rows this way, so
-    a round nobody inspects (the benchmark, a page not asking) builds no tensor for them: a torch op
-    right after the target's forward costs ~15 us with the caches cold, 0.5 % of a decode round."""
+    or (None, dense probs [K+1, V]); given as tensors, or as `SupportRows` of a block that holds other
+    rounds' rows too. `NativeRule` writes every round of a generation into one block, so a round nobody
+    inspects (the benchmark, a page not asking) builds no tensor for them."""
 
-    __slots__ = ("_ids", "_probs", "_start", "_stop")
+    __slots__ = ("_ids", "_probs", "_rows")
 
-    def __init__(self, ids: torch.Tensor | None, probs: torch.Tensor, start: int = 0,
-                 stop: int | None = None) -> None:
-        self._ids, self._probs = ids, probs
-        self._start, self._stop = start, probs.shape[0] if stop is None else stop
+    def __init__(self, ids: torch.Tensor | None, probs: torch.Tensor | None, rows: SupportRows | None = None) -> None:
+        self._ids, self._probs, self._rows = ids, probs, rows
+
+    @classmethod
+    def of(cls, rows: SupportRows) -> TargetRows:
+        return cls(None, None, rows)
 
     def tensors(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(ids or None, probs) of the round's rows only."""
-        rows = slice(self._start, self._stop)
-        return None if self._ids is None else self._ids[rows], self._probs[rows]
+        return self._rows.tensors() if self._rows is not None else (self._ids, self._probs)
 
 
 class NativeRule:
@@ -370,8 +371,7 @@ class NativeRule:
         self._seconds = ctypes.c_double()
         self.pointers = (ctypes.pointer(self.args), ctypes.pointer(self._seconds))
         self._capacity = -1
-        self._block: tuple = (None, None, 0, 0)  # the output rows (ids, probs), their addresses
-        self._block_rows = self._next_row = 0
+        self._blocks = SupportBlocks()  # the output rows T_1..T_{K+1} of every round
         self._round: tuple = ()
 
     @staticmethod
@@ -388,44 +388,35 @@ class NativeRule:
         return self._seconds.value
 
     def prepare(self, draft: Proposal, draws: RandomDraws) -> None:
-        """Point the call at this round's drafted tokens, their D_i (dense or sparse rows) and draws,
-        and at the next unused rows of the output block (the round's events keep them)."""
+        """Point the call at this round's drafted tokens, their D_i (dense or sparse rows; by address
+        where the drafter wrote them into `SupportRows`) and draws, and at the next unused rows of the
+        output block (the round's events keep them)."""
         k = len(draft.tokens)
-        start = self._take_rows(k + 1)
+        out = self._blocks.take(k + 1, self.width)
         if k > self._capacity:  # the drafted tokens and the result block, grown to the largest K seen
             self._capacity = k
             self._tokens = (ctypes.c_int64 * max(k, 1))()
             self._stats = (ctypes.c_double * (8 * (k + 2)))()
             self.args.result = ctypes.addressof(self._stats)
         args = self.args
-        draft_ids = draft_probs = None
-        if draft.support is not None:
-            draft_ids, draft_probs = (t.contiguous() for t in draft.support)
+        kept = draft.rows  # the inputs kept alive until the call
+        if kept is not None:
+            args.d_ids, args.d_probs, args.d_w = kept.ids_address, kept.probs_address, kept.width
+        elif draft.support is not None:
+            kept = tuple(t.contiguous() for t in draft.support)
+            args.d_ids, args.d_probs, args.d_w = kept[0].data_ptr(), kept[1].data_ptr(), kept[1].shape[-1]
         elif k:
-            draft_probs = draft.probs.float().contiguous()
+            kept = draft.probs.float().contiguous()
+            args.d_ids, args.d_probs, args.d_w = None, kept.data_ptr(), kept.shape[-1]
+        else:
+            args.d_ids, args.d_probs, args.d_w = None, None, draft.vocab_size
         if k:
             self._tokens[:k] = draft.tokens
         args.k = k
-        args.d_ids = None if draft_ids is None else draft_ids.data_ptr()
-        args.d_probs = None if draft_probs is None else draft_probs.data_ptr()
-        args.d_w = draft.vocab_size if draft_probs is None else draft_probs.shape[-1]
         args.tokens = ctypes.addressof(self._tokens) if k else None
         args.u_accept, args.u_sample = draws.addresses()
-        _, _, ids_at, probs_at = self._block
-        args.t_ids, args.t_probs = ids_at + start * self.width * 8, probs_at + start * self.width * 4
-        self._round = (k, start, draws, draft_ids, draft_probs)  # the inputs kept alive until the call
-
-    def _take_rows(self, rows: int) -> int:
-        """The first of `rows` unused output rows, in a new block (of _BLOCK_ROWS or more) when the
-        current one is full: blocks are never reused, as the rows handed out stay readable."""
-        if self._next_row + rows > self._block_rows:
-            self._block_rows, self._next_row = max(_BLOCK_ROWS, rows), 0
-            ids = torch.empty(self._block_rows, self.width, dtype=torch.long)
-            probs = torch.empty(self._block_rows, self.width)
-            self._block = (ids, probs, ids.data_ptr(), probs.data_ptr())
-        start = self._next_row
-        self._next_row += rows
-        return start
+        args.t_ids, args.t_probs = out.ids_address, out.probs_address
+        self._round = (k, out, draws, kept)
 
     def run(self, logits: torch.Tensor) -> None:
         """The prepared round on logits [K+1, V] (their own call, for logits the forward did not rule on)."""
@@ -435,9 +426,8 @@ class NativeRule:
 
     def verdict(self) -> tuple[TargetRows, RoundVerdict]:
         """The prepared round's (T_1..T_{K+1} on their support, verdict) once the call ran."""
-        k, start, draws, _, _ = self._round
+        k, out, draws, _ = self._round
         self._round = ()
-        ids, probs, _, _ = self._block
         r = k + 2
         # Rows of r values (cpu_kernels.c verify_logits): five per-position rows (K each), H(T_i) (K+1),
         # the next token's T and D, then k, y and the K tests. Slices spelled out, not comprehensions:
@@ -446,11 +436,8 @@ class NativeRule:
         per_position = [values[:k], values[r: r + k], values[2 * r: 2 * r + k], values[3 * r: 3 * r + k],
                         values[4 * r: 4 * r + k], values[5 * r: 5 * r + k + 1]]
         passed = list(map(bool, values[7 * r + 2: 7 * r + 2 + k]))
-        return TargetRows(ids, probs, start, start + k + 1), RoundVerdict(
+        return TargetRows.of(out), RoundVerdict(
             int(values[7 * r]), int(values[7 * r + 1]), passed, per_position, values[6 * r], values[6 * r + 1], draws)
-
-
-_BLOCK_ROWS = 256  # output rows a NativeRule block holds: a new block every 256 decode rounds
 
 
 @lru_cache(maxsize=64)

@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.sampling import SamplingParams, dense_probs, logits_to_probs, sample_from
+from engine.support_rows import SupportRows
+
+_CPU = torch.device("cpu")
 
 
 class Proposal:
@@ -23,19 +26,30 @@ class Proposal:
     Given as dense rows `probs` [n, V], or (from a drafter whose rows have a small support) as the
     same rows in sparse form `support` = (ids, probs) [n, w] plus the vocabulary size: the
     acceptance rule reads that form directly, and the dense rows are built only if someone reads
-    `probs` (a [V] row per token was most of a round's drafting overhead).
+    `probs` (a [V] row per token was most of a round's drafting overhead). A native drafter gives
+    the sparse rows as `rows` (`SupportRows`, written by address), the native rule reads them by
+    address, and `support` builds their tensors only when read.
     """
 
     def __init__(self, tokens: list[int], probs: torch.Tensor | None = None, *,
-                 support: tuple[torch.Tensor, torch.Tensor] | None = None, vocab_size: int = 0) -> None:
-        if (probs is None) == (support is None):
-            raise ValueError("a Proposal takes dense probs or a sparse support, exactly one of them")
-        if support is not None and not vocab_size:
+                 support: tuple[torch.Tensor, torch.Tensor] | None = None, rows: SupportRows | None = None,
+                 vocab_size: int = 0) -> None:
+        if (probs is not None) + (support is not None) + (rows is not None) != 1:
+            raise ValueError("a Proposal takes dense probs, a sparse support or support rows, exactly one of them")
+        if probs is None and not vocab_size:
             raise ValueError("a sparse Proposal needs the vocabulary size")
         self.tokens = tokens
-        self.support = support
+        self.rows = rows
+        self._support = support
         self._probs = probs
         self.vocab_size = probs.shape[-1] if probs is not None else vocab_size
+
+    @property
+    def support(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(ids, probs) [n, w] of a sparse proposal (None for dense rows)."""
+        if self._support is None and self.rows is not None:
+            self._support = self.rows.tensors()
+        return self._support
 
     @property
     def probs(self) -> torch.Tensor:
@@ -47,6 +61,8 @@ class Proposal:
 
     def prefix(self, k: int) -> "Proposal":
         """The first k tokens and their rows, in this proposal's own form (sparse stays sparse)."""
+        if self.rows is not None:
+            return Proposal(self.tokens[:k], rows=self.rows.prefix(k), vocab_size=self.vocab_size)
         if self.support is None:
             return Proposal(self.tokens[:k], self._probs[:k])
         ids, probs = self.support
@@ -54,10 +70,12 @@ class Proposal:
 
     @property
     def device(self) -> torch.device:
+        if self.rows is not None:  # blocks on the CPU; no torch attribute read
+            return _CPU
         return (self._probs if self._probs is not None else self.support[1]).device
 
     def __repr__(self) -> str:
-        return f"Proposal(tokens={self.tokens}, {'dense' if self.support is None else 'sparse'})"
+        return f"Proposal(tokens={self.tokens}, {'dense' if self._probs is not None else 'sparse'})"
 
 
 # Saguaro sampling (ALGORITHMS.md §4.4): maps the draft distribution of drafted position i

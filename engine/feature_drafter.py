@@ -24,6 +24,7 @@ from engine.models.feature_draft import FeatureDraft
 from engine.models.q4_1_blocks import round_to_q4_1
 from engine.sampling import (SamplingParams, dense_probs, logits_to_probs, native_temperature_top_p, native_width_for,
                              sample_from, sample_sparse, sparse_probs)
+from engine.support_rows import SupportBlocks
 
 
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -76,11 +77,12 @@ class FeatureDrafter(Drafter):
         self._real_entries = 0  # leading entries computed from real target features
         self._extra_seconds = 0.0  # fc and head time one call at a time (the layer's, and a native step's, are lm's)
         # A step (feed, then draw from the last f̂) as one native call where the layers run on the native
-        # decoder and the head is a reduced one (`_feed_and_draw`).
+        # decoder and the head is a reduced one (`_propose_native`); its draws' supports go into blocks.
         decoder = getattr(getattr(lm, "w", None), "native_decoder", None)
         self._step = (cpu_kernels.FeatureStep(self.embed, self.fc, self.head, self.head_ids, decoder)
                       if decoder is not None and self.head_ids is not None and self.fc.native and self.head.native
                       and hasattr(lm, "native_slots") else None)
+        self._supports = SupportBlocks()
 
     def start(self) -> None:
         self.lm.reset()
@@ -134,15 +136,21 @@ class FeatureDrafter(Drafter):
         if len(context) < 2:
             raise ValueError("the feature draft needs at least two context tokens")
         feed = self._sync_all_but_last(context)
+        draws = uniforms.tolist()[:k]
+        if not draws:
+            return Proposal([], torch.empty(0, self.vocab_size))
+        width = None if self._step is None or feed is None else native_width_for(params, self._step.layout.head_rows)
+        if width is not None:
+            return self._propose_native(feed, params, draws, width)
         tokens, ids, rows = [], [], []
-        for u in uniforms.tolist()[:k]:
-            drawn, token_ids, probs = self._feed_and_draw(feed, params, u)
+        for u in draws:
+            if feed is not None:
+                self._feed(*self._feed_tensors(feed))
+            drawn, token_ids, probs = self._draw(self._outputs[-1], params, [u])
             tokens += drawn
             ids.append(token_ids)
             rows.append(probs)
             feed = (drawn, None)  # the next entry: the token just drawn, after f̂ of the one it was drawn from
-        if not rows:
-            return Proposal(tokens, torch.empty(0, self.vocab_size))
         if ids[0] is None:
             return Proposal(tokens, _joined(rows))
         return Proposal(tokens, support=(_joined(ids), _joined(rows)), vocab_size=self.vocab_size)
@@ -219,12 +227,13 @@ class FeatureDrafter(Drafter):
         """Bring the draft KV to entries for positions 1..len(context)-1; return f̂ of the last one [1, hidden]."""
         feed = self._sync_all_but_last(context)
         if feed is not None:
-            self._feed(*feed)
+            self._feed(*self._feed_tensors(feed))
         return self._outputs[-1]
 
-    def _sync_all_but_last(self, context: Sequence[int]) -> tuple[Sequence[int], torch.Tensor] | None:
-        """`_sync` but for its last feed, returned as (tokens, input features) for the caller to run with
-        its draw (`_feed_and_draw`); None when the cache already holds every entry."""
+    def _sync_all_but_last(self, context: Sequence[int]) -> tuple[Sequence[int], int | None] | None:
+        """`_sync` but for its last feed, returned for the caller to run with its draw as (tokens, the
+        first of their input features' rows in the target's feature rows, or None: f̂ of the last entry);
+        None when the cache already holds every entry."""
         m = len(context) - 1
         known = self._num_features
         # Leading entries whose token matches and whose input feature was a real one; usually all of
@@ -238,37 +247,42 @@ class FeatureDrafter(Drafter):
         real_end = min(m, known)
         feed = None
         if real_end > keep:  # one batched forward over every entry with a real input feature
-            feed = (context[keep + 1:real_end + 1], self._feature_rows[keep:real_end])
+            feed = (context[keep + 1:real_end + 1], keep)
         self._real_entries = max(keep, real_end)
         for j in range(self._real_entries + 1, m + 1):  # beyond the target's features: the draft's own f̂
             if feed is not None:
-                self._feed(*feed)
+                self._feed(*self._feed_tensors(feed))
             if not self._outputs:
                 raise ValueError("the feature draft needs the target's features of the context (observe_target)")
-            feed = ([context[j]], self._outputs[-1])
+            feed = ([context[j]], None)
         return feed
 
-    def _feed_and_draw(self, feed: tuple[Sequence[int], torch.Tensor | None] | None, params: SamplingParams,
-                       uniform: float) -> tuple[list[int], torch.Tensor | None, torch.Tensor]:
-        """Run `feed` = (tokens, input features; None: f̂ of the last entry), if any, then draw from the last
-        f̂ as `_draw` does. Both in one native call (`cpu_kernels.FeatureStep`, the same bits) where the
-        step has one and the draw's support is small; otherwise `_feed`, then `_draw`."""
-        if feed is None:
-            return self._draw(self._outputs[-1], params, [uniform])
-        tokens, features = feed
-        features = self._outputs[-1] if features is None else features
-        width = None if self._step is None else native_width_for(params, self._step.layout.head_rows)
-        if width is None:
-            self._feed(tokens, features)
-            return self._draw(self._outputs[-1], params, [uniform])
-        start = time.perf_counter()
+    def _feed_tensors(self, feed: tuple[Sequence[int], int | None]) -> tuple[Sequence[int], torch.Tensor]:
+        """A feed as `_sync_all_but_last` gives it, with its input features as a tensor [n, hidden]."""
+        tokens, first = feed
+        return tokens, self._outputs[-1] if first is None else self._feature_rows[first:first + len(tokens)]
+
+    def _propose_native(self, feed: tuple[Sequence[int], int | None], params: SamplingParams, draws: list[float],
+                        width: int) -> Proposal:
+        """Each draft step (the feed, then a draw from the last f̂) as one native call
+        (`cpu_kernels.FeatureStep`, the same bits as `_feed` then `_draw`), the draws' supports written
+        into consecutive rows of a block: a round makes no torch call for them."""
+        rows = self._supports.take(len(draws), width)
         temperature, top_p = native_temperature_top_p(params)
-        token, ids, probs, out = self._step(tokens, features, self.lm.native_slots(len(tokens)), width, temperature,
-                                            top_p, uniform)
-        self.lm.book_forward(len(tokens), start)
-        self._entries.extend(tokens)  # ints: context slices or the token just drawn
-        self._outputs.extend([out] if len(tokens) == 1 else out.split(1))
-        return [token], ids, probs
+        tokens = []
+        for i, uniform in enumerate(draws):
+            fed, first = feed
+            features = (self._outputs[-1].data_ptr() if first is None
+                        else self._rows_address + first * self._row_bytes)
+            start = time.perf_counter()
+            token, out = self._step(fed, features, self.lm.native_slots(len(fed)), width, temperature, top_p, uniform,
+                                    rows.ids_address + 8 * width * i, rows.probs_address + 4 * width * i)
+            self.lm.book_forward(len(fed), start)
+            self._entries.extend(fed)  # ints: context slices or the token just drawn
+            self._outputs.extend([out] if len(fed) == 1 else out.split(1))
+            tokens.append(token)
+            feed = ([token], None)  # the next entry: the token just drawn, after f̂ of the one it was drawn from
+        return Proposal(tokens, rows=rows, vocab_size=self.vocab_size)
 
     @torch.inference_mode()
     def _feed(self, tokens: Sequence[int], features: torch.Tensor) -> torch.Tensor:

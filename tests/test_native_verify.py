@@ -64,7 +64,8 @@ def test_every_round_keeps_its_own_rows_across_output_blocks():
     """One NativeRule writes a generation's rounds into shared output blocks (`TargetRows`): read
     after 300 rounds of K = 0..3 (more rows than a block holds), each round's rows are still the
     sampling transform of its own logits."""
-    from engine.acceptance import _BLOCK_ROWS, NativeRule
+    from engine.acceptance import NativeRule
+    from engine.support_rows import BLOCK_ROWS
 
     generator = torch.Generator().manual_seed(11)
     params = SETTINGS[0]
@@ -79,7 +80,7 @@ def test_every_round_keeps_its_own_rows_across_output_blocks():
         rule.run(logits)
         rows, _ = rule.verdict()
         kept.append((logits, rows))
-    assert sum(logits.shape[0] for logits, _ in kept) > 2 * _BLOCK_ROWS
+    assert sum(logits.shape[0] for logits, _ in kept) > 2 * BLOCK_ROWS
     for trial, (logits, rows) in enumerate(kept):
         ids, probs = rows.tensors()
         expected_ids, expected_probs = torch_sparse_probs(logits, params)

@@ -460,21 +460,20 @@ class FeatureStep:
             head.out_features)
         self._lib = _library()  # looked up once: `_library` reads the environment
 
-    def __call__(self, tokens: Sequence[int], features: torch.Tensor, cache: tuple[int, int, int, int, int, bool],
-                 width: int, temperature: float, top_p: float, uniform: float
-                 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Feed `tokens` with input features [n, H] (contiguous float32) at `cache` = (k cache, v cache, capacity,
-        rope rows, first slot, wide) as pointers and sizes (`FastLlamaCausalLM.native_slots`), then draw one
-        token from the top-`width` support at `temperature`, `top_p` with `uniform`:
-        (token, ids [1, width], probs [1, width], f̂ [n, H])."""
+    def __call__(self, tokens: Sequence[int], features: int, cache: tuple[int, int, int, int, int, bool],
+                 width: int, temperature: float, top_p: float, uniform: float, ids: int, probs: int
+                 ) -> tuple[int, torch.Tensor]:
+        """Feed `tokens` with input features [n, H] (contiguous float32, at address `features`) at `cache` =
+        (k cache, v cache, capacity, rope rows, first slot, wide) as pointers and sizes
+        (`FastLlamaCausalLM.native_slots`), then draw one token from the top-`width` support at
+        `temperature`, `top_p` with `uniform`, writing its support's ids (int64) and probs (float32)
+        [width] at the addresses `ids` and `probs` (a `SupportRows` row): (token, f̂ [n, H])."""
         n = len(tokens)
         out = torch.empty(n, self.hidden)
-        ids = torch.empty(1, width, dtype=torch.long)
-        probs = torch.empty(1, width)
         token = self._lib.feature_draft_step(
-            ctypes.byref(self.layout), (ctypes.c_int64 * n)(*tokens), n, features.data_ptr(), *cache, out.data_ptr(),
-            width, temperature, top_p, uniform, ids.data_ptr(), probs.data_ptr())
-        return token, ids, probs, out
+            ctypes.byref(self.layout), (ctypes.c_int64 * n)(*tokens), n, features, *cache, out.data_ptr(),
+            width, temperature, top_p, uniform, ids, probs)
+        return token, out
 
     def tree(self, tokens: torch.Tensor, features: torch.Tensor, cache: tuple[int, int, int], rope: torch.Tensor,
              slot: int, mask: torch.Tensor, width: int, temperature: float, top_p: float, uniforms: torch.Tensor
