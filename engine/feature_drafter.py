@@ -276,7 +276,7 @@ class FeatureDrafter(Drafter):
                         else self._rows_address + first * self._row_bytes)
             start = time.perf_counter()
             token, out = self._step(fed, features, self.lm.native_slots(len(fed)), width, temperature, top_p, uniform,
-                                    rows.ids_address + 8 * width * i, rows.probs_address + 4 * width * i)
+                                    *rows.addresses(i))
             self.lm.book_forward(len(fed), start)
             self._entries.extend(fed)  # ints: context slices or the token just drawn
             self._outputs.extend([out] if len(fed) == 1 else out.split(1))

@@ -28,6 +28,10 @@ class SupportRows:
     def __len__(self) -> int:
         return self.stop - self.start
 
+    def addresses(self, i: int) -> tuple[int, int]:
+        """Where the ids and the probs of the i-th of these rows start."""
+        return self.ids_address + 8 * self.width * i, self.probs_address + 4 * self.width * i
+
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, probs) [rows, width]: views of these rows only."""
         return self._ids[self.start: self.stop], self._probs[self.start: self.stop]

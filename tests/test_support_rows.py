@@ -24,8 +24,9 @@ def test_rows_keep_their_values_across_blocks_and_widths():
         ids = torch.randint(0, 1000, (n, width), generator=generator)
         probs = torch.rand(n, width, generator=generator)
         for i in range(n):
-            _write(rows.ids_address + 8 * width * i, ids[i])
-            _write(rows.probs_address + 4 * width * i, probs[i])
+            ids_at, probs_at = rows.addresses(i)
+            _write(ids_at, ids[i])
+            _write(probs_at, probs[i])
         kept.append((rows, ids, probs))
     assert len({rows.tensors()[0].data_ptr() - 8 * rows.width * rows.start for rows, _, _ in kept}) > 2
     for rows, ids, probs in kept:
@@ -40,8 +41,9 @@ def test_a_proposal_of_rows_reads_like_a_sparse_one():
     ids = torch.tensor([[4, 1, 7], [0, 2, 5]])
     probs = torch.tensor([[0.5, 0.25, 0.25], [0.125, 0.375, 0.5]])
     for i in range(2):
-        _write(rows.ids_address + 8 * 3 * i, ids[i])
-        _write(rows.probs_address + 4 * 3 * i, probs[i])
+        ids_at, probs_at = rows.addresses(i)
+        _write(ids_at, ids[i])
+        _write(probs_at, probs[i])
     by_rows = Proposal([4, 5], rows=rows, vocab_size=9)
     direct = Proposal([4, 5], support=(ids, probs), vocab_size=9)
     assert all(torch.equal(a, b) for a, b in zip(by_rows.support, direct.support))
