@@ -104,7 +104,7 @@ def generate(
         draft_before = drafter.forward_seconds if drafter else 0.0
         proposal = no_draft
         if k > 0:
-            proposal = drafter.propose(context, k, params, stream.take(k))
+            proposal = drafter.propose(context, k, params, stream.take_floats(k))
         k = len(proposal.tokens)
         draft_seconds = (drafter.forward_seconds if drafter else 0.0) - draft_before
         clock.split("draft_other", "draft_forward", draft_seconds)

@@ -20,6 +20,11 @@ from engine.support_rows import SupportRows
 _CPU = torch.device("cpu")
 
 
+def uniform_floats(uniforms: Sequence[float], k: int) -> list[float]:
+    """The first k of a drafter's uniforms as Python floats, given a list or a float tensor alike."""
+    return uniforms.tolist()[:k] if isinstance(uniforms, torch.Tensor) else list(uniforms[:k])
+
+
 class Proposal:
     """n <= K drafted tokens and D_i, the distribution tokens[i] was sampled from.
 
@@ -109,8 +114,9 @@ class Drafter(ABC):
         raise NotImplementedError(f"{type(self).__name__} offers no feature rows")
 
     @abstractmethod
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: torch.Tensor) -> Proposal:
-        """Draft up to `k` tokens after `context`, drawing token i with `uniforms[i]`."""
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: Sequence[float]) -> Proposal:
+        """Draft up to `k` tokens after `context`, drawing token i with `uniforms[i]` (floats: a list, or a
+        float tensor [k])."""
 
     def score(self, context: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """Draft logits [len(tokens)+1, V] after `context + tokens[:i]`, i = 0..len(tokens).
@@ -188,7 +194,7 @@ class ModelDrafter(Drafter):
     def forward_seconds(self) -> float:
         return self.lm.forward_seconds
 
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: torch.Tensor) -> Proposal:
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: Sequence[float]) -> Proposal:
         keep = _common_prefix(self._cached, context, limit=len(context) - 1)
         self.lm.rollback(keep)
         logits = self.lm.forward(context[keep:])
@@ -196,7 +202,7 @@ class ModelDrafter(Drafter):
         rows = []
         for i in range(k):
             probs = logits_to_probs(logits[-1], params)
-            token = int(sample_from(probs, uniforms[i]))
+            token = int(sample_from(probs, torch.as_tensor(uniforms[i])))
             tokens.append(token)
             rows.append(probs)
             if i + 1 < k:
@@ -270,7 +276,7 @@ class NgramDrafter(Drafter):
         self.min_ngram = min_ngram
         self.name = f"ngram(prompt lookup, n≤{max_ngram})"
 
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: torch.Tensor) -> Proposal:
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: Sequence[float]) -> Proposal:
         tokens = lookup_continuation(context, k, self.max_ngram, self.min_ngram)
         probs = torch.zeros(len(tokens), self.vocab_size)
         if tokens:

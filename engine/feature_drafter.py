@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.drafters import Drafter, Proposal, ProposalShape, branch_proposals
+from engine.drafters import Drafter, Proposal, ProposalShape, branch_proposals, uniform_floats
+from engine.growing_rows import GrowingRows
 from engine.models import cpu_kernels
 from engine.models.causal_lm import CausalLM, FeatureRows
 from engine.models.fast_llama import PackedLinear, onto_huge_pages
@@ -68,12 +69,11 @@ class FeatureDrafter(Drafter):
         self.head_ids = None if full_head else draft.vocab_ids
         self.embed = draft.model.model.embed_tokens.weight.detach()
         self.fc, self.head = _packed(draft, dtype, head_dtype or dtype, full_head, vocab_size)
-        # Real target features f_0..f_{F-1} in the first F rows of a buffer that doubles when full
-        # (appending by concatenation would copy the whole history every round).
-        self._set_rows(torch.empty(256, self.embed.shape[1]))
+        # Real target features f_0..f_{F-1} in the first F rows; f̂ of draft KV entry i in row i of `_drafted`.
+        self._features = GrowingRows(self.embed.shape[1])
         self._num_features = 0
         self._entries: list[int] = []  # t_j of each draft KV entry j-1 (entry i is position i+1)
-        self._outputs: list[torch.Tensor] = []  # f̂ of each entry
+        self._drafted = GrowingRows(self.embed.shape[1])
         self._real_entries = 0  # leading entries computed from real target features
         self._extra_seconds = 0.0  # fc and head time one call at a time (the layer's, and a native step's, are lm's)
         # A step (feed, then draw from the last f̂) as one native call where the layers run on the native
@@ -87,7 +87,7 @@ class FeatureDrafter(Drafter):
     def start(self) -> None:
         self.lm.reset()
         self._num_features = 0
-        self._entries, self._outputs, self._real_entries = [], [], 0
+        self._entries, self._real_entries = [], 0
 
     @property
     def forward_seconds(self) -> float:
@@ -97,8 +97,8 @@ class FeatureDrafter(Drafter):
     def observe_target(self, start: int, hidden: torch.Tensor) -> None:
         self._check_start(start)
         end = start + hidden.shape[0]
-        self._hold(end)
-        self._feature_rows[start:end] = hidden.detach()
+        self._features.hold(end, self._num_features)
+        self._features.rows[start:end] = hidden.detach()
         self._num_features = end
 
     def target_feature_rows(self) -> FeatureRows:
@@ -108,8 +108,8 @@ class FeatureDrafter(Drafter):
         """`causal_lm.FeatureRows`: the target's forward writes rows [start, start + n) here itself.
         A verify writes every fed position; `observe_target_rows` then keeps the committed ones."""
         self._check_start(start)
-        self._hold(start + n)
-        return self._rows_address + start * self._row_bytes
+        self._features.hold(start + n, self._num_features)
+        return self._features.address(start)
 
     def observe_target_rows(self, start: int, n: int) -> None:
         self._check_start(start)
@@ -119,24 +119,18 @@ class FeatureDrafter(Drafter):
         if start > self._num_features:
             raise ValueError(f"target features jump from position {self._num_features} to {start}")
 
-    def _hold(self, end: int) -> None:
-        """Grow the feature buffer (doubling, the known rows kept) to hold `end` rows."""
-        if end > self._capacity:
-            grown = torch.empty(max(end, 2 * self._capacity), self._feature_rows.shape[1])
-            grown[: self._num_features] = self._feature_rows[: self._num_features]
-            self._set_rows(grown)
+    def _last_output(self) -> torch.Tensor:
+        """f̂ of the last draft KV entry [1, hidden]."""
+        n = len(self._entries)
+        return self._drafted.rows[n - 1:n]
 
-    def _set_rows(self, rows: torch.Tensor) -> None:
-        self._feature_rows, self._capacity = rows, rows.shape[0]
-        self._rows_address, self._row_bytes = rows.data_ptr(), rows.stride(0) * rows.element_size()
-
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: torch.Tensor) -> Proposal:
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, uniforms: Sequence[float]) -> Proposal:
         # No inference_mode here (~10 us a round with the caches cold): the native step makes no autograd
         # op, and the torch steps (`_feed`, `_draw`) enter it themselves.
         if len(context) < 2:
             raise ValueError("the feature draft needs at least two context tokens")
         feed = self._sync_all_but_last(context)
-        draws = uniforms.tolist()[:k]
+        draws = uniform_floats(uniforms, k)
         if not draws:
             return Proposal([], torch.empty(0, self.vocab_size))
         width = None if self._step is None or feed is None else native_width_for(params, self._step.layout.head_rows)
@@ -146,7 +140,7 @@ class FeatureDrafter(Drafter):
         for u in draws:
             if feed is not None:
                 self._feed(*self._feed_tensors(feed))
-            drawn, token_ids, probs = self._draw(self._outputs[-1], params, [u])
+            drawn, token_ids, probs = self._draw(self._last_output(), params, [u])
             tokens += drawn
             ids.append(token_ids)
             rows.append(probs)
@@ -160,7 +154,7 @@ class FeatureDrafter(Drafter):
         """Draft logits after `context + tokens[:i]`, i = 0..len(tokens) (SSD's glue decode)."""
         self._sync(list(context) + list(tokens))
         m = len(context) - 1
-        return self._logits(torch.cat(self._outputs[m - 1:m + len(tokens)]))
+        return self._logits(self._drafted.rows[m - 1:m + len(tokens)])
 
     @torch.inference_mode()
     def propose_branches(self, context: Sequence[int], speculation: Sequence[int], forks: Sequence[tuple[int, int]],
@@ -187,7 +181,7 @@ class FeatureDrafter(Drafter):
         if depth.min() < 0 or depth.max() > len(speculation):
             raise ValueError(f"fork depths must be in [0, {len(speculation)}]")
         positions = len(context) + depth  # sequence position of each branch's first token
-        feature = torch.cat([self._feature_rows[p - 1: p] if p - 1 < self._num_features else self._outputs[p - 2]
+        feature = torch.cat([self._features.rows[p - 1: p] if p - 1 < self._num_features else self._drafted.rows[p - 2:p - 1]
                              for p in positions.tolist()])
         feed = torch.tensor([int(y) for _, y in forks])
         visible = torch.arange(base)[None, :] < (positions - 1)[:, None]  # entries of positions < p
@@ -228,7 +222,7 @@ class FeatureDrafter(Drafter):
         feed = self._sync_all_but_last(context)
         if feed is not None:
             self._feed(*self._feed_tensors(feed))
-        return self._outputs[-1]
+        return self._last_output()
 
     def _sync_all_but_last(self, context: Sequence[int]) -> tuple[Sequence[int], int | None] | None:
         """`_sync` but for its last feed, returned for the caller to run with its draw as (tokens, the
@@ -243,7 +237,7 @@ class FeatureDrafter(Drafter):
         while keep < limit and self._entries[keep] == context[keep + 1]:
             keep += 1
         self.lm.rollback(keep)
-        del self._entries[keep:], self._outputs[keep:]
+        del self._entries[keep:]
         real_end = min(m, known)
         feed = None
         if real_end > keep:  # one batched forward over every entry with a real input feature
@@ -252,7 +246,7 @@ class FeatureDrafter(Drafter):
         for j in range(self._real_entries + 1, m + 1):  # beyond the target's features: the draft's own f̂
             if feed is not None:
                 self._feed(*self._feed_tensors(feed))
-            if not self._outputs:
+            if not self._entries:
                 raise ValueError("the feature draft needs the target's features of the context (observe_target)")
             feed = ([context[j]], None)
         return feed
@@ -260,7 +254,7 @@ class FeatureDrafter(Drafter):
     def _feed_tensors(self, feed: tuple[Sequence[int], int | None]) -> tuple[Sequence[int], torch.Tensor]:
         """A feed as `_sync_all_but_last` gives it, with its input features as a tensor [n, hidden]."""
         tokens, first = feed
-        return tokens, self._outputs[-1] if first is None else self._feature_rows[first:first + len(tokens)]
+        return tokens, self._last_output() if first is None else self._features.rows[first:first + len(tokens)]
 
     def _propose_native(self, feed: tuple[Sequence[int], int | None], params: SamplingParams, draws: list[float],
                         width: int) -> Proposal:
@@ -272,14 +266,14 @@ class FeatureDrafter(Drafter):
         tokens = []
         for i, uniform in enumerate(draws):
             fed, first = feed
-            features = (self._outputs[-1].data_ptr() if first is None
-                        else self._rows_address + first * self._row_bytes)
+            at = len(self._entries)  # the fed entries' f̂ go into rows [at, at + len(fed))
+            self._drafted.hold(at + len(fed), at)
+            features = self._drafted.address(at - 1) if first is None else self._features.address(first)
             start = time.perf_counter()
-            token, out = self._step(fed, features, self.lm.native_slots(len(fed)), width, temperature, top_p, uniform,
-                                    *rows.addresses(i))
+            token = self._step(fed, features, self.lm.native_slots(len(fed)), self._drafted.address(at), width,
+                               temperature, top_p, uniform, *rows.addresses(i))
             self.lm.book_forward(len(fed), start)
             self._entries.extend(fed)  # ints: context slices or the token just drawn
-            self._outputs.extend([out] if len(fed) == 1 else out.split(1))
             tokens.append(token)
             feed = ([token], None)  # the next entry: the token just drawn, after f̂ of the one it was drawn from
         return Proposal(tokens, rows=rows, vocab_size=self.vocab_size)
@@ -287,12 +281,14 @@ class FeatureDrafter(Drafter):
     @torch.inference_mode()
     def _feed(self, tokens: Sequence[int], features: torch.Tensor) -> torch.Tensor:
         """Append draft KV entries for `tokens` with input features [n, hidden]; f̂ of the last [1, hidden].
-        Each entry's f̂ is kept as a [1, hidden] row (one view per entry, none for a single one)."""
+        Each entry's f̂ goes into its row of `_drafted`."""
         x = self._input(torch.tensor(list(tokens)), features)
         out = self.lm.forward_embeds(x)
+        at = len(self._entries)
+        self._drafted.hold(at + out.shape[0], at)
+        self._drafted.rows[at:at + out.shape[0]] = out
         self._entries.extend(int(t) for t in tokens)
-        self._outputs.extend([out] if out.shape[0] == 1 else out.split(1))
-        return self._outputs[-1]
+        return self._last_output()
 
     def _input(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """x_j = fc([emb(t_j); f_{j-1}])."""

@@ -19,7 +19,7 @@ BLOCK = 4096  # uniforms per generator call: about a thousand rounds at K = 1
 class UniformStream:
     """The uniforms of torch.Generator().manual_seed(seed), handed out in order as tensor views."""
 
-    __slots__ = ("_generator", "_block", "_size", "_address", "_at", "position")
+    __slots__ = ("_generator", "_block", "_floats", "_size", "_address", "_at", "position")
 
     def __init__(self, seed: int) -> None:
         self._generator = torch.Generator().manual_seed(int(seed))
@@ -28,9 +28,10 @@ class UniformStream:
         self.position = 0  # uniforms handed out so far
 
     def _set_block(self, block: torch.Tensor) -> None:
-        # Its size and address kept as ints: a round then reads no torch attribute for its draws
-        # (a torch call right after the target's forward costs ~10 us with the caches cold).
+        # Its size and address kept as ints, its numbers as Python floats: a round then makes no torch call
+        # for its draws (a torch call right after the target's forward costs 10-30 us with the caches cold).
         self._block, self._size, self._address = block, block.shape[0], block.data_ptr()
+        self._floats = block.tolist()
 
     def skip_to(self, position: int) -> None:
         """Pass over the uniforms before `position` (another process drew them from its copy of the stream)."""
@@ -42,6 +43,11 @@ class UniformStream:
         """The next n uniforms in [0, 1) as a float32 view [n] (read-only by convention)."""
         block, at, _ = self.take_span(n)
         return block[at: at + n]
+
+    def take_floats(self, n: int) -> list[float]:
+        """`take` as Python floats (the same float32 values), for a drafter that reads them one by one."""
+        _, at, _ = self.take_span(n)
+        return self._floats[at: at + n]
 
     def take_span(self, n: int) -> tuple[torch.Tensor, int, int]:
         """The next n uniforms as (the float32 block holding them, their offset in it, the address of

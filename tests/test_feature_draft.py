@@ -195,7 +195,7 @@ def test_one_native_call_per_draft_step_gives_the_same_bits(feature_pair, weight
 @pytest.mark.parametrize("k", [1, 3])
 def test_target_writing_its_features_into_the_drafts_rows_gives_the_same_rounds(feature_pair, k):
     """Where the target's verify is one native call, it writes its hidden states straight into the
-    feature draft's rows (`FeatureRows`), growing them past their first 256: the same rounds as
+    feature draft's rows (`FeatureRows`), growing them (and its own f̂ rows) past their first 256: the same rounds as
     with the states handed over as tensors and copied (`observe_target`)."""
     if not cpu_kernels.available():
         pytest.skip("the native kernels did not build")
@@ -216,7 +216,7 @@ def test_target_writing_its_features_into_the_drafts_rows_gives_the_same_rounds(
                 for e in generate(target, drafter, feature_pair.tokenizer, prompt, cfg) if hasattr(e, "round_index")]
 
     assert rounds(direct) == rounds(handed)
-    assert len(written) > 20 and direct._capacity > 256
+    assert len(written) > 20 and direct._features.capacity > 256 and direct._drafted.capacity > 256
 
 
 def test_drafter_without_target_features_says_so(feature_pair):

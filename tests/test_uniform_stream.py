@@ -16,6 +16,16 @@ def test_the_stream_is_the_generators_sequence_across_block_boundaries():
     assert torch.equal(taken, one_by_one)
 
 
+def test_the_streams_floats_are_its_float32_numbers_across_block_boundaries():
+    """A drafter's draws come as Python floats (`take_floats`): the very float32 numbers `take` gives."""
+    sizes = [1, 3, 2] * (BLOCK // 3) + [BLOCK + 5, 1]
+    floats, tensors = UniformStream(11), UniformStream(11)
+    for n in sizes:
+        mine, theirs = floats.take_floats(n), tensors.take(n)
+        assert torch.equal(torch.tensor(mine, dtype=torch.float32), theirs) and mine == theirs.tolist()
+    assert floats.position == tensors.position
+
+
 def test_a_rounds_draws_from_the_stream_equal_the_generator_draws():
     stream, generator = UniformStream(7), torch.Generator().manual_seed(7)
     for k in (0, 1, 4, 2):

@@ -459,21 +459,22 @@ class FeatureStep:
             None if head_ids is None else head_ids.data_ptr(), ctypes.pointer(decoder.layout), embed.shape[1],
             head.out_features)
         self._lib = _library()  # looked up once: `_library` reads the environment
+        self._tokens = (ctypes.c_int64 * 64)()  # the fed tokens, reused: a step feeds one token, a resync a few
 
-    def __call__(self, tokens: Sequence[int], features: int, cache: tuple[int, int, int, int, int, bool],
-                 width: int, temperature: float, top_p: float, uniform: float, ids: int, probs: int
-                 ) -> tuple[int, torch.Tensor]:
+    def __call__(self, tokens: Sequence[int], features: int, cache: tuple[int, int, int, int, int, bool], out: int,
+                 width: int, temperature: float, top_p: float, uniform: float, ids: int, probs: int) -> int:
         """Feed `tokens` with input features [n, H] (contiguous float32, at address `features`) at `cache` =
         (k cache, v cache, capacity, rope rows, first slot, wide) as pointers and sizes
-        (`FastLlamaCausalLM.native_slots`), then draw one token from the top-`width` support at
-        `temperature`, `top_p` with `uniform`, writing its support's ids (int64) and probs (float32)
-        [width] at the addresses `ids` and `probs` (a `SupportRows` row): (token, f̂ [n, H])."""
+        (`FastLlamaCausalLM.native_slots`), writing their f̂ [n, H] at address `out`, then draw one token
+        from the top-`width` support at `temperature`, `top_p` with `uniform`, writing its support's ids
+        (int64) and probs (float32) [width] at the addresses `ids` and `probs` (a `SupportRows` row):
+        the token."""
         n = len(tokens)
-        out = torch.empty(n, self.hidden)
-        token = self._lib.feature_draft_step(
-            ctypes.byref(self.layout), (ctypes.c_int64 * n)(*tokens), n, features, *cache, out.data_ptr(),
-            width, temperature, top_p, uniform, ids, probs)
-        return token, out
+        if n > len(self._tokens):
+            self._tokens = (ctypes.c_int64 * (2 * n))()
+        self._tokens[:n] = tokens
+        return self._lib.feature_draft_step(ctypes.byref(self.layout), self._tokens, n, features, *cache, out,
+                                            width, temperature, top_p, uniform, ids, probs)
 
     def tree(self, tokens: torch.Tensor, features: torch.Tensor, cache: tuple[int, int, int], rope: torch.Tensor,
              slot: int, mask: torch.Tensor, width: int, temperature: float, top_p: float, uniforms: torch.Tensor

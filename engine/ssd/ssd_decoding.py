@@ -559,7 +559,7 @@ class SSDEngine:
         if proposal is None:  # drafted here (LOCAL, or the worker is gone)
             proposal = Proposal([], torch.empty(0, vocab))
             if k > 0:
-                proposal = self._local_drafter(row).propose(row.context, k, params, row.uniforms.take(k))
+                proposal = self._local_drafter(row).propose(row.context, k, params, row.uniforms.take_floats(k))
         else:
             row.uniforms.take(row.reserved)  # the worker drew its draft's uniforms from these
         proposal = proposal.prefix(max(k, 0))
