@@ -77,7 +77,10 @@ class TokenDetails:
         return ""
 
 
-@dataclass(frozen=True)
+# The per-round events are plain slotted dataclasses, not frozen ones: a frozen dataclass sets each
+# field through object.__setattr__, and built every round that took 4.4x as long (1.9 against 0.43 us a
+# TokenEvent, warm). Nothing assigns to an event once it is built.
+@dataclass(slots=True)
 class TokenEvent:
     index: int  # position in the generated text (0-based)
     token_id: int
@@ -114,7 +117,7 @@ class TokenEvent:
         return self.details.tests()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RoundEvent:
     round_index: int
     method: str
