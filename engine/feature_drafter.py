@@ -181,8 +181,8 @@ class FeatureDrafter(Drafter):
         if depth.min() < 0 or depth.max() > len(speculation):
             raise ValueError(f"fork depths must be in [0, {len(speculation)}]")
         positions = len(context) + depth  # sequence position of each branch's first token
-        feature = torch.cat([self._features.rows[p - 1: p] if p - 1 < self._num_features else self._drafted.rows[p - 2:p - 1]
-                             for p in positions.tolist()])
+        feature = torch.cat([self._features.rows[p - 1:p] if p - 1 < self._num_features
+                             else self._drafted.rows[p - 2:p - 1] for p in positions.tolist()])
         feed = torch.tensor([int(y) for _, y in forks])
         visible = torch.arange(base)[None, :] < (positions - 1)[:, None]  # entries of positions < p
         own = torch.zeros(n, 0, dtype=torch.bool)
