@@ -83,6 +83,8 @@ class FeatureDrafter(Drafter):
                       if decoder is not None and self.head_ids is not None and self.fc.native and self.head.native
                       and hasattr(lm, "native_slots") else None)
         self._supports = SupportBlocks()
+        self._draw_params: SamplingParams | None = None  # `_native_draw`'s params, and its answer for them
+        self._draw_settings: tuple[int, float, float] | None = None
 
     def start(self) -> None:
         self.lm.reset()
@@ -133,9 +135,9 @@ class FeatureDrafter(Drafter):
         draws = uniform_floats(uniforms, k)
         if not draws:
             return Proposal([], torch.empty(0, self.vocab_size))
-        width = None if self._step is None or feed is None else native_width_for(params, self._step.layout.head_rows)
-        if width is not None:
-            return self._propose_native(feed, params, draws, width)
+        native = None if self._step is None or feed is None else self._native_draw(params)
+        if native is not None:
+            return self._propose_native(feed, draws, *native)
         tokens, ids, rows = [], [], []
         for u in draws:
             if feed is not None:
@@ -256,13 +258,22 @@ class FeatureDrafter(Drafter):
         tokens, first = feed
         return tokens, self._last_output() if first is None else self._features.rows[first:first + len(tokens)]
 
-    def _propose_native(self, feed: tuple[Sequence[int], int | None], params: SamplingParams, draws: list[float],
-                        width: int) -> Proposal:
+    def _native_draw(self, params: SamplingParams) -> tuple[int, float, float] | None:
+        """(support width, temperature, top-p) of the native step's draws at `params`, or None where they are
+        not native; worked out once per params object (a config snapshot's rounds share one): 7 µs a round
+        with the caches cold after the verify."""
+        if params is not self._draw_params:
+            width = native_width_for(params, self._step.layout.head_rows)
+            self._draw_params = params
+            self._draw_settings = None if width is None else (width, *native_temperature_top_p(params))
+        return self._draw_settings
+
+    def _propose_native(self, feed: tuple[Sequence[int], int | None], draws: list[float], width: int,
+                        temperature: float, top_p: float) -> Proposal:
         """Each draft step (the feed, then a draw from the last f̂) as one native call
         (`cpu_kernels.FeatureStep`, the same bits as `_feed` then `_draw`), the draws' supports written
         into consecutive rows of a block: a round makes no torch call for them."""
         rows = self._supports.take(len(draws), width)
-        temperature, top_p = native_temperature_top_p(params)
         tokens = []
         for i, uniform in enumerate(draws):
             fed, first = feed
