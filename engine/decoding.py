@@ -25,7 +25,8 @@ from engine.acceptance import NativeRule, RandomDraws, RoundVerdict, TargetRows,
 from engine.config import SpecConfig
 from engine.detokenize import IncrementalDetokenizer
 from engine.drafters import Drafter, Proposal
-from engine.divergence import PositionDivergence, RuleSettings, position_divergence, tas_threshold
+from engine.divergence import (PositionDivergence, RuleSettings, position_divergence, sparse_position_divergences,
+                               tas_threshold)
 from engine.events import Candidate, FinishEvent, PositionTest, RoundEvent, StartEvent, TokenDetails, TokenEvent
 from engine.metrics import PhaseClock, SpecMetrics
 from engine.models.causal_lm import CausalLM
@@ -309,6 +310,7 @@ class _RoundDetails(TokenDetails):
         self._pending_candidates: tuple | None = None  # what `_candidates` needs, until first asked
         self._candidates: list[tuple[Candidate, ...]] = []
         self._divergences: list[PositionDivergence] = []
+        self._pending_tests: tuple | None = None  # what `_position_tests` needs, until first asked
         self._tests: tuple[PositionTest, ...] = ()
         self._lock = threading.Lock()
 
@@ -331,7 +333,12 @@ class _RoundDetails(TokenDetails):
         return self._divergences[position] if position < len(self._divergences) else None
 
     def tests(self) -> tuple[PositionTest, ...]:
+        """Decoded on first ask: the live chart reads every round's divergences, the tests a click on a token."""
         self._derive()
+        with self._lock:
+            if self._pending_tests is not None:
+                self._tests = _position_tests(*self._pending_tests)
+                self._pending_tests = None
         return self._tests
 
     def _derive(self) -> None:
@@ -342,9 +349,8 @@ class _RoundDetails(TokenDetails):
             self._rows = None
             rows = RoundRows.of(*support.tensors(), proposal)
             rule = RuleSettings.from_config(cfg.as_dict())
-            tested = range(min(result.accepted_count + 1, len(proposal.tokens)))
-            self._divergences = [position_divergence(rule, *rows.on_union(pos)) for pos in tested]
-            self._tests = _position_tests(rule, result, rows, proposal.tokens, tokenizer)
+            self._divergences = rows.divergences(rule, min(result.accepted_count + 1, len(proposal.tokens)))
+            self._pending_tests = (rule, result, rows, proposal.tokens, tokenizer)
             if cfg.inspect_top_n:
                 pending = (cfg, result, rows, proposal.tokens, tokenizer)
                 if rows.sparse:
@@ -374,6 +380,16 @@ class RoundRows:
         draft = proposal.support if proposal.support is not None else (None, proposal.probs)
         return RoundRows((numpy(ids), numpy(probs).astype(np.float64)),
                          (numpy(draft[0]), numpy(draft[1]).astype(np.float64)), proposal.vocab_size)
+
+    def divergences(self, rule: RuleSettings, n: int) -> list[PositionDivergence]:
+        """`position_divergence` at the first n positions (the tested ones); in one native call where both
+        sides are sparse (`sparse_position_divergences`)."""
+        (t_ids, t_probs), (d_ids, d_probs) = self.target, self.draft
+        if n and t_ids is not None and d_ids is not None:
+            native = sparse_position_divergences(rule, (t_ids[:n], t_probs[:n]), (d_ids[:n], d_probs[:n]))
+            if native is not None:
+                return native
+        return [position_divergence(rule, *self.on_union(pos)) for pos in range(n)]
 
     def on_union(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
         """T_pos and D_pos on the union of their supports (the whole vocabulary if either is dense)."""

@@ -15,7 +15,7 @@ import torch
 from engine.acceptance import induced_distribution, kl_divergence
 from engine.config import SpecConfig
 from engine.decoding import generate
-from engine.divergence import PositionDivergence, RuleSettings, kl, position_divergence
+from engine.divergence import PositionDivergence, RuleSettings, kl, position_divergence, sparse_position_divergences
 from engine.divergence import induced_distribution as fast_induced
 from engine.events import TokenEvent
 from engine.sampling import SamplingParams, logits_to_probs
@@ -52,6 +52,38 @@ def test_fast_induced_distribution_equals_the_literal_sum(truncate):
             ref = reference(rule, target, draft).numpy()
             assert np.abs(fast - ref).max() < 1e-12, rule
             assert fast.sum() == pytest.approx(1.0, abs=1e-12)
+
+
+def test_the_native_sparse_divergences_equal_the_numpy_ones_on_the_union():
+    """`sparse_position_divergences` (one native call for a round's tested positions, what the page's
+    live chart reads) against `position_divergence` on each position's union of supports: rows of
+    random widths whose ids overlap in part or not at all, some probabilities cut to 0 by top-p, and
+    drafts with mass outside the target's support (KL(D || T) = inf)."""
+    if sparse_position_divergences(RULES[0], (np.zeros((1, 1), np.int64), np.ones((1, 1))),
+                                   (np.zeros((1, 1), np.int64), np.ones((1, 1)))) is None:
+        pytest.skip("the native kernels did not build")
+    rng = np.random.default_rng(5)
+    checked = infinite = 0
+    for _ in range(60):
+        positions, t_w, d_w, vocab = rng.integers(1, 5), rng.integers(1, 30), rng.integers(1, 30), rng.integers(30, 90)
+        t_ids = np.stack([rng.choice(vocab, t_w, replace=False) for _ in range(positions)])
+        d_ids = np.stack([rng.choice(vocab, d_w, replace=False) for _ in range(positions)])
+        t_probs, d_probs = rng.dirichlet(np.ones(t_w) * 0.5, positions), rng.dirichlet(np.ones(d_w) * 0.5, positions)
+        t_probs[:, 1:][rng.random((positions, t_w - 1)) < 0.2] = 0.0  # top-p's zeros, never the whole row
+        for rule in RULES:
+            native = sparse_position_divergences(rule, (t_ids, t_probs), (d_ids, d_probs))
+            for pos in range(positions):
+                support = np.union1d(t_ids[pos], d_ids[pos])
+                target, draft = np.zeros(support.size), np.zeros(support.size)
+                target[np.searchsorted(support, t_ids[pos])] = t_probs[pos]
+                draft[np.searchsorted(support, d_ids[pos])] = d_probs[pos]
+                expected = position_divergence(rule, target, draft)
+                for got, want in ((native[pos].induced_kl, expected.induced_kl),
+                                  (native[pos].draft_kl, expected.draft_kl)):
+                    assert got == pytest.approx(want, rel=1e-9, abs=1e-12) if math.isfinite(want) else got == want
+                infinite += math.isinf(expected.draft_kl)
+                checked += 1
+    assert checked > 900 and infinite > 100, (checked, infinite)
 
 
 def test_kl_is_infinite_outside_the_support_and_zero_on_itself():

@@ -1176,6 +1176,110 @@ int64_t sample_draw(const float *logits, int64_t vocab, int64_t w, float tempera
 }
 #pragma GCC pop_options
 
+/* ---- divergence kernel ---- */
+// engine.divergence.position_divergence for sparse rows, every tested position of a round in one call
+// (the playground's live KL chart, computed on a UI thread): T and D on the union of their supports,
+// renormalised in float64; P, the distribution the rule emits there (SpS: T; TAS: D on {T > threshold},
+// the rest to argmax T; Cactus: D a + sum_n D(n) (1 - a(n)) g_n, by the literal formula: O(n^2) on the
+// few dozen ids of a union); out[2 p] = KL(P || T), out[2 p + 1] = KL(D || T) (inf where the first
+// leaves T's support). In numpy a Cactus round took 0.1-0.3 ms holding the GIL, which the engine's
+// thread then waited for after its forward.
+static double kl_rows(const double *p, const double *q, int64_t n) {
+    double total = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        if (p[i] <= 0.0) continue;
+        if (q[i] <= 0.0) return INFINITY;
+        total += p[i] * (log(p[i]) - log(q[i]));
+    }
+    return total > 0.0 ? total : 0.0;
+}
+
+// Row `probs` [w] over `ids` onto the ascending union `support` [n] (zeros elsewhere), then to mass 1.
+static void onto_union(const int64_t *support, int64_t n, const int64_t *ids, const double *probs, int64_t w,
+                       double *out) {
+    double total = 0.0;
+    for (int64_t i = 0; i < n; i++) out[i] = 0.0;
+    for (int64_t j = 0; j < w; j++) {
+        int64_t at = 0;
+        while (support[at] != ids[j]) at++;
+        out[at] = probs[j];
+    }
+    for (int64_t i = 0; i < n; i++) total += out[i];
+    for (int64_t i = 0; i < n; i++) out[i] /= total;
+}
+
+static void induced(const double *t, const double *d, int64_t n, int64_t method, double delta,
+                    double posterior_threshold, double posterior_alpha, double *p, double *gamma) {
+    if (method == 0) {  // SpS: min(T, D) + max(T - D, 0) = T
+        for (int64_t i = 0; i < n; i++) p[i] = t[i];
+        return;
+    }
+    if (method == 1) {  // TAS: Medusa's threshold min(eps, alpha e^-H), H = -sum T log(T + 1e-5)
+        double entropy = 0.0, rejected = 0.0;
+        int64_t top = 0;
+        for (int64_t i = 0; i < n; i++) {
+            entropy -= t[i] * log(t[i] + 1e-5);
+            if (t[i] > t[top]) top = i;
+        }
+        const double alpha_term = posterior_alpha * exp(-entropy);
+        const double threshold = posterior_threshold < alpha_term ? posterior_threshold : alpha_term;
+        for (int64_t i = 0; i < n; i++) {
+            const int accept = t[i] > threshold;
+            p[i] = accept ? d[i] : 0.0;
+            if (!accept) rejected += d[i];
+        }
+        p[top] += rejected;
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {  // Cactus: gamma (Cor. 5); the drafts kept, D a with a = min(gamma / D, 1)
+        const double g = t[i] + sqrt(2.0 * delta * t[i] * (1.0 - t[i]));
+        gamma[i] = g < 0.0 ? 0.0 : g > 1.0 ? 1.0 : g;
+        p[i] = d[i] > 0.0 && gamma[i] < d[i] ? gamma[i] : d[i];
+    }
+    for (int64_t i = 0; i < n; i++) {  // then each rejected draft's recovery
+        const double w = d[i] - p[i];  // P(draft i, reject it); h_i = s T off i, gamma at i
+        if (!(w > 0.0)) continue;
+        const double s = (1.0 - gamma[i]) / (1.0 - t[i]);
+        double z = 0.0;
+        for (int64_t v = 0; v < n; v++) {
+            const double r = (v == i ? gamma[i] : s * t[v]) - d[v];
+            if (r > 0.0) z += r;
+        }
+        for (int64_t v = 0; v < n; v++) {  // from norm(max(h - D, 0)), or from h itself if that is empty
+            const double h = v == i ? gamma[i] : s * t[v], r = h - d[v];
+            p[v] += z > 0.0 ? (r > 0.0 ? w * r / z : 0.0) : w * h;
+        }
+    }
+}
+
+void position_divergences(int64_t positions, const int64_t *t_ids, const double *t_probs, int64_t t_w,
+                          const int64_t *d_ids, const double *d_probs, int64_t d_w, int64_t method, double delta,
+                          double posterior_threshold, double posterior_alpha, double *out) {
+    const int64_t cap = t_w + d_w;
+    int64_t *support = malloc(cap * sizeof(int64_t));
+    double *t = malloc(4 * cap * sizeof(double)), *d = t + cap, *p = t + 2 * cap, *gamma = t + 3 * cap;
+    for (int64_t pos = 0; pos < positions; pos++) {
+        int64_t n = 0;
+        for (int64_t side = 0; side < 2; side++) {  // the union of the two rows' ids, ascending
+            const int64_t *ids = side ? d_ids + pos * d_w : t_ids + pos * t_w;
+            for (int64_t j = 0, w = side ? d_w : t_w; j < w; j++) {
+                int64_t at = n;
+                while (at > 0 && support[at - 1] > ids[j]) at--;
+                if (at > 0 && support[at - 1] == ids[j]) continue;
+                memmove(support + at + 1, support + at, (n - at) * sizeof(int64_t));
+                support[at] = ids[j];
+                n++;
+            }
+        }
+        onto_union(support, n, t_ids + pos * t_w, t_probs + pos * t_w, t_w, t);
+        onto_union(support, n, d_ids + pos * d_w, d_probs + pos * d_w, d_w, d);
+        induced(t, d, n, method, delta, posterior_threshold, posterior_alpha, p, gamma);
+        out[2 * pos] = kl_rows(p, t, n);
+        out[2 * pos + 1] = kl_rows(d, t, n);
+    }
+    free(support); free(t);
+}
+
 // A target forward as one call (FastLlamaCausalLM._forward): the embedding rows of n tokens, the
 // decoder stack at cache slots [slot, slot + n) -> final-norm hidden states into hidden [n, H], then
 // the head on the last `last_n` of them into logits [last_n, head_rows]. The same kernels in the same

@@ -512,4 +512,7 @@ def sampling_library() -> ctypes.CDLL | None:
     lib.verify_logits.restype = None
     lib.verify_logits.argtypes = [ptr, i64, ctypes.POINTER(RoundRuleArgs)]
     lib.sample_draw.restype, lib.sample_draw.argtypes = i64, [ptr, i64, i64, f32, f32, ptr, f32, ptr, ptr]
+    f64 = ctypes.c_double
+    lib.position_divergences.restype = None
+    lib.position_divergences.argtypes = [i64, ptr, ptr, i64, ptr, ptr, i64, i64, f64, f64, f64, ptr]
     return lib
