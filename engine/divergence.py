@@ -13,6 +13,10 @@ observation about Cactus (Thm 2): after rejecting drafted n, h_n = s_n·T off n 
 s_n = (1 − γ_n)/(1 − T(n)), and the rejection (D(n) > γ_n) leaves no residual at n, so
 max(h_n − D, 0) = T·max(s_n − D/T, 0) depends on n only through the scalar s_n. Sorting tokens by
 D/T and rejected drafts by s_n turns the sum over n into prefix and suffix sums.
+
+Where both rows are sparse (top-k: a few dozen ids), a round's positions go to one native call
+instead (`sparse_position_divergences`): the literal formula on the union of the two supports, run
+without the GIL that the engine's thread needs between its forwards.
 """
 
 from __future__ import annotations
