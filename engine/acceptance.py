@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling import (SamplingParams, entropy, native_temperature_top_p, native_width_for, sample_from,
-                             sparse_probs)
+from engine.sampling import SamplingParams, entropy, native_draw_settings, sample_from, sparse_probs
 from engine.support_rows import SupportBlocks, SupportRows
 from engine.uniform_stream import UniformStream
 
@@ -446,15 +445,14 @@ def _native_plan(method: str, params: SamplingParams, vocab: int, delta: float, 
     """(support width, temperature, top-p, rule code) of the native call for these round settings, or
     None where it does not apply: worked out and checked once per settings, not every round (the
     checks cost ~25 us with the caches cold after a forward, a tenth of AR's time outside its forward)."""
-    width = native_width_for(params, vocab)
-    if width is None:
+    draw = native_draw_settings(params, vocab)
+    if draw is None:
         return None
     _check_rule(method, delta, posterior_threshold, posterior_alpha)
-    temperature, top_p = native_temperature_top_p(params)
-    return width, temperature, top_p, _RULE_CODES[method]
+    return *draw, RULE_CODES[method]
 
 
-_RULE_CODES = {"sps": 0, "tas": 1, "cactus": 2}  # verify_support's method codes (cpu_kernels.c)
+RULE_CODES = {"sps": 0, "tas": 1, "cactus": 2}  # the native kernels' rule codes (cpu_kernels.c)
 
 
 def _kernels():

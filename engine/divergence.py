@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.acceptance import TAS_LOG_EPS
+from engine.acceptance import RULE_CODES, TAS_LOG_EPS
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,6 @@ class RuleSettings:
                             float(config.get("posterior_threshold", 0.09)), float(config.get("posterior_alpha", 0.3)))
 
 
-_RULE_CODES = {"sps": 0, "tas": 1, "cactus": 2}  # cpu_kernels.c position_divergences
-
-
 def sparse_position_divergences(rule: RuleSettings, target: tuple[np.ndarray, np.ndarray],
                                 draft: tuple[np.ndarray, np.ndarray]) -> list[PositionDivergence] | None:
     """`position_divergence` at every position of sparse rows, target (ids, probs) [P, w_t] and draft
@@ -71,7 +68,7 @@ def sparse_position_divergences(rule: RuleSettings, target: tuple[np.ndarray, np
     t_probs, d_probs = (np.ascontiguousarray(probs, dtype=np.float64) for probs in (target[1], draft[1]))
     out = np.empty((t_ids.shape[0], 2))
     lib.position_divergences(t_ids.shape[0], t_ids.ctypes.data, t_probs.ctypes.data, t_ids.shape[1],
-                             d_ids.ctypes.data, d_probs.ctypes.data, d_ids.shape[1], _RULE_CODES[rule.method],
+                             d_ids.ctypes.data, d_probs.ctypes.data, d_ids.shape[1], RULE_CODES[rule.method],
                              rule.delta, rule.posterior_threshold, rule.posterior_alpha, out.ctypes.data)
     return [PositionDivergence(induced, draft_alone) for induced, draft_alone in out.tolist()]
 

@@ -23,8 +23,8 @@ from engine.models.causal_lm import CausalLM, FeatureRows
 from engine.models.fast_llama import PackedLinear, onto_huge_pages
 from engine.models.feature_draft import FeatureDraft
 from engine.models.q4_1_blocks import round_to_q4_1
-from engine.sampling import (SamplingParams, dense_probs, logits_to_probs, native_temperature_top_p, native_width_for,
-                             sample_from, sample_sparse, sparse_probs)
+from engine.sampling import (SamplingParams, dense_probs, logits_to_probs, native_draw_settings, sample_from,
+                             sample_sparse, sparse_probs)
 from engine.support_rows import SupportBlocks
 
 
@@ -83,8 +83,6 @@ class FeatureDrafter(Drafter):
                       if decoder is not None and self.head_ids is not None and self.fc.native and self.head.native
                       and hasattr(lm, "native_slots") else None)
         self._supports = SupportBlocks()
-        self._draw_params: SamplingParams | None = None  # `_native_draw`'s params, and its answer for them
-        self._draw_settings: tuple[int, float, float] | None = None
 
     def start(self) -> None:
         self.lm.reset()
@@ -135,7 +133,8 @@ class FeatureDrafter(Drafter):
         draws = uniform_floats(uniforms, k)
         if not draws:
             return Proposal([], torch.empty(0, self.vocab_size))
-        native = None if self._step is None or feed is None else self._native_draw(params)
+        native = (native_draw_settings(params, self._step.layout.head_rows)
+                  if self._step is not None and feed is not None else None)
         if native is not None:
             return self._propose_native(feed, draws, *native)
         tokens, ids, rows = [], [], []
@@ -190,19 +189,18 @@ class FeatureDrafter(Drafter):
         own = torch.zeros(n, 0, dtype=torch.bool)
         eye = torch.eye(n, dtype=torch.bool)
         tokens, ids, rows = [], [], []
-        native = shape is None and self._step is not None
-        width = native_width_for(params, self._step.layout.head_rows) if native else None
-        temperature, top_p = native_temperature_top_p(params)
+        native = (native_draw_settings(params, self._step.layout.head_rows)
+                  if shape is None and self._step is not None else None)
         for i in range(k):
             if stop is not None and stop():
                 break
             own = torch.cat([own, eye], dim=1)
             at, slot, mask = (positions - 1 + i).tolist(), base + i * n, torch.cat([visible, own], dim=1)
-            if width is not None:  # fc, the layer, the head and every branch's draw in one native call
+            if native is not None:  # fc, the layer, the head and every branch's draw in one native call
                 start = time.perf_counter()
                 cache, rope, additive = self.lm.native_tree_slots(at, slot, mask)
                 feed, support, probs, feature = self._step.tree(feed, feature.contiguous(), cache, rope, slot, additive,
-                                                                width, temperature, top_p, uniforms[:, i])
+                                                                *native, uniforms[:, i])
                 self.lm.book_forward(0, start)  # tree entries sit past the cache's length: none appended
                 ids.append(support)
             else:
@@ -257,16 +255,6 @@ class FeatureDrafter(Drafter):
         """A feed as `_sync_all_but_last` gives it, with its input features as a tensor [n, hidden]."""
         tokens, first = feed
         return tokens, self._last_output() if first is None else self._features.rows[first:first + len(tokens)]
-
-    def _native_draw(self, params: SamplingParams) -> tuple[int, float, float] | None:
-        """(support width, temperature, top-p) of the native step's draws at `params`, or None where they are
-        not native; worked out once per params object (a config snapshot's rounds share one): 7 µs a round
-        with the caches cold after the verify."""
-        if params is not self._draw_params:
-            width = native_width_for(params, self._step.layout.head_rows)
-            self._draw_params = params
-            self._draw_settings = None if width is None else (width, *native_temperature_top_p(params))
-        return self._draw_settings
 
     def _propose_native(self, feed: tuple[Sequence[int], int | None], draws: list[float], width: int,
                         temperature: float, top_p: float) -> Proposal:
