@@ -169,7 +169,10 @@ def test_the_key_charts_draw_live_lines_while_the_run_streams_then_plotly_takes_
     canvas over each chart (no Plotly redraw on the engine's cores); once the run ends the full
     Plotly charts are drawn and the canvases go. Each canvas is seen, and its ink counted, by an
     observer installed before the click, when the page script adds it: a run that ends between
-    two looks (a fast machine's 256 tokens last a handful of feed frames) cannot hide it."""
+    two looks (a fast machine's 256 tokens last a handful of feed frames) cannot hide it. Pause is
+    armed before Generate and the run resumed once the page reads its feed (the feed's own line says
+    "paused"): a fast run could otherwise end before the page opened the feed, and a feed opened
+    after the run sends no live lines (the final update draws the charts)."""
     expect = sync_api.expect
     with _open_page(default_playground_url) as page:
         page.evaluate("""() => {
@@ -188,7 +191,11 @@ def test_the_key_charts_draw_live_lines_while_the_run_streams_then_plotly_takes_
         max_new = page.get_by_label("number input for max new tokens")
         max_new.fill("256")
         max_new.press("Enter")
+        page.click("#pause-btn")
+        expect(page.locator("#live-msg")).to_contain_text("armed")
         page.click("#generate-btn")
+        expect(page.locator("#tokens-live .live-status")).to_contain_text("paused", timeout=180_000)
+        page.click("#resume-btn")
         expect(page.locator("#status")).to_contain_text("finished", timeout=180_000)
         page.wait_for_function("!document.querySelector('canvas.live-preview')")
         ink = page.evaluate("window.liveInk")
