@@ -48,9 +48,9 @@ def header(ctx: PlaygroundContext) -> str:
     return (
         f"# specplay: watch speculative decoding work\n"
         f"Target **{target}** ({params:.1f}M params) · draft: {pair.draft_description} · {ctx.devices}. "
-        f"**× AR** divides a run's tok/s by your own latest AR run (≥ 32 tokens, alone on the engine, "
-        f"unpaused); until you run one, by "
-        + (reference.how if reference else "nothing (not measured)") + "."
+        f"**× AR** divides a run's tok/s by your own AR runs on this page (≥ 32 tokens, alone on the engine, "
+        f"unpaused; your first speculative run starts with one, on the same prompt and settings); "
+        f"for API clients and until then, by " + (reference.how if reference else "nothing (not measured)") + "."
     )
 
 

@@ -186,10 +186,15 @@ def running_induced_kl(state: RunState) -> list[tuple[int, float]]:
 
 
 def throughput_points(rounds: Sequence, window: int = THROUGHPUT_WINDOW) -> list[tuple[float, float]]:
-    """(seconds since start, tokens/s over the last `window` rounds) at the end of each round."""
+    """(seconds since start, tokens/s over the last `window` rounds) at the end of each round from the
+    second on. The first round's first row is the prefill's last one, already computed: AR's first
+    round runs no forward at all, and its 1 token in about a millisecond (1,160 tok/s) set the live
+    chart's scale for the whole run, with the real line squashed at the bottom."""
     points = []
     for i, r in enumerate(rounds):
-        chunk = rounds[max(0, i - window + 1): i + 1]
+        if r.round_index == 0:
+            continue
+        chunk = [c for c in rounds[max(0, i - window + 1): i + 1] if c.round_index > 0]
         seconds = sum(c.round_seconds for c in chunk)
         points.append((r.elapsed_seconds, sum(c.num_emitted for c in chunk) / seconds if seconds > 0 else 0.0))
     return points

@@ -183,25 +183,47 @@ def timed_ar_speed(handle: RunHandle, ssd: bool) -> float | None:
     return m["decode_tokens_per_s"]
 
 
-def add_ar_run(session: Session, tokens_per_s: float, new_tokens: int) -> ARReference:
+def add_ar_run(session: Session, tokens_per_s: float, new_tokens: int, reference_run: bool = False) -> ARReference:
     """The session's reference after one more timed AR run: the median of its last AR_REFERENCE_RUNS.
     One 96-token run's speed moves by about ±10 % on these 2-core VMs (AMD EPYC Zen 3: 177-207 tok/s
-    in three engine runs of the same request), and a one-run reference passed that on to every "x AR"."""
+    in three engine runs of the same request), and a one-run reference passed that on to every "x AR".
+    `reference_run`: the run was the page's AR reference run (`wants_ar_reference_run`)."""
     speeds = session.ar_speeds
     speeds.append(tokens_per_s)
     del speeds[:-AR_REFERENCE_RUNS]
     tps = statistics.median(speeds)
     latest = f"at {time.strftime('%H:%M:%S UTC', time.gmtime())} ({new_tokens} tokens, alone on the engine)"
-    how = (f"AR {tps:.1f} tok/s: your AR run {latest}" if len(speeds) == 1 else
+    what = "AR reference run, before your first run on this page," if reference_run else "AR run"
+    how = (f"AR {tps:.1f} tok/s: your {what} {latest}" if len(speeds) == 1 else
            f"AR {tps:.1f} tok/s: the median of your last {len(speeds)} AR runs, the latest {latest}")
     return ARReference(tps, how)
 
 
+def wants_ar_reference_run(session: Session, cfg: SpecConfig) -> bool:
+    """Whether a page's Generate click runs plain AR on the same prompt and settings before the method
+    it asked for: once per session, for its first run of a speculative method while it has no AR
+    reference of its own (not when Pause is armed: that parks the run the user asked for).
+
+    Why: the start-up reference is measured with no browser on the machine, and a page on the same
+    cores costs every run it watches. With Chromium on this 2-core VM, AR through the page ran at
+    126-148 tok/s against the start-up reference's 203, so a first Cactus run read 0.68x AR where
+    the same page's AR gave 1.41-1.49x (AMD EPYC Zen 3). API clients watch nothing: the start-up
+    reference is theirs."""
+    return (cfg.method != "ar" and session.ar_reference is None and not session.ar_reference_run
+            and not session.pause_next)
+
+
+def ar_reference_config(cfg: SpecConfig) -> SpecConfig:
+    """The AR reference run's settings: the user's, as AR, long enough to count (`timed_ar_speed`)."""
+    return replace(cfg, method="ar", max_new_tokens=max(cfg.max_new_tokens, AR_REFERENCE_TOKENS))
+
+
 def start_session_run(ctx: PlaygroundContext, session: Session, cfg: SpecConfig, prompt_ids: Sequence[int],
-                      ssd: bool = False) -> Iterator[RunState]:
+                      ssd: bool = False, reference_run: bool = False) -> Iterator[RunState]:
     """A Generate-tab run: installs a fresh control object, handle and run state in the session.
 
-    If the session armed Pause before the run, the run parks after its first round.
+    If the session armed Pause before the run, the run parks after its first round. `reference_run`:
+    the page's AR reference run (`wants_ar_reference_run`).
     """
     if session.handle is not None:
         ctx.loop_for(session.handle_ssd).stop(session.handle)  # a previous run stops at its next round
@@ -215,7 +237,7 @@ def start_session_run(ctx: PlaygroundContext, session: Session, cfg: SpecConfig,
     yield from follow(ctx, handle, ssd=ssd)
     speed = timed_ar_speed(handle, ssd)
     if speed is not None:
-        session.ar_reference = add_ar_run(session, speed, handle.run.finish.metrics["new_tokens"])
+        session.ar_reference = add_ar_run(session, speed, handle.run.finish.metrics["new_tokens"], reference_run)
 
 
 def run_compare(ctx: PlaygroundContext, methods: Sequence[str], cfg: SpecConfig, prompt_ids: Sequence[int],

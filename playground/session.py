@@ -32,6 +32,7 @@ class Session:
     pause_next: bool = False  # Pause pressed with no run going: the next run parks after its first round
     ar_reference: object | None = None  # runner.ARReference from this session's own AR runs
     ar_speeds: list[float] = field(default_factory=list)  # their decode tok/s, oldest first (runner.add_ar_run)
+    ar_reference_run: bool = False  # the page already ran its one AR reference run (runner.wants_ar_reference_run)
     run: RunState = field(default_factory=RunState)
     rendered_version: tuple | None = None  # (RunState.version, streaming) the browser last got charts for
     chart_turn: int = 0  # which live chart the next streaming tick redraws (one per tick)

@@ -9,6 +9,7 @@ can change δ, K or SSD's fan-out and watch exactly one round under the new sett
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import gradio as gr
 
@@ -17,8 +18,8 @@ from playground.inspector import inspect_figure, inspect_markdown
 from playground.live_feed import ATTACH_SECONDS, feed_html
 from playground.limits import DEFAULT_PROMPT, DEFAULT_SETTINGS, MAX_SSD_BUDGET, METHOD_LABELS, SSD_RULES, UI_METHODS, build_config
 from playground.page import ENGINE_QUEUE, HANG_GUARD_SECONDS, Page
-from playground.runner import VLLM_TARGET_NAMES, start_session_run
-from playground.session import apply_live_change
+from playground.runner import VLLM_TARGET_NAMES, ar_reference_config, start_session_run, wants_ar_reference_run
+from playground.session import LIVE_FIELDS, apply_live_change
 from playground.state import RunState, highlighted_tokens
 from playground.views import STREAMING_STATUS, details, legend, progress_line, status_line, token_view
 from playground.vllm_config import speculative_config_text
@@ -130,35 +131,56 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
                                          ssd_rule=rule_v, fanout_mode=fanout_mode_v, budget=budget_v,
                                          downweight_c=c_v, backup=backup_v)
         session = page.session(request)
-        runs = start_session_run(ctx, session, cfg, prompt_ids, ssd=method_v == "ssd")
-        run, feed = next(runs), None
-        if wants_feed_v:  # the page streams tokens from the live feed; Gradio updates the status line only
+        if wants_feed_v and wants_ar_reference_run(session, cfg):  # a page's first speculative run
+            session.ar_reference_run = True
+            note = f"**AR reference run**, then {METHOD_LABELS[method_v]}: × AR will divide by AR on this page"
+            run = yield from on_page(session, ar_reference_config(cfg), prompt_ids, note=note)
+            if run.finish is None or run.finish.reason == "stopped":
+                yield final_update(session, run, note)
+                return
+            live = session.control  # knobs turned during the reference run hold for the run asked for
+            cfg = replace(cfg, **{name: getattr(live, name) for name in LIVE_FIELDS})
+        run = yield from on_page(session, cfg, prompt_ids, ssd=method_v == "ssd", feed=wants_feed_v)
+        yield final_update(session, run)
+
+    def on_page(session, cfg, prompt_ids, *, ssd=False, feed=True, note=""):
+        """Stream one session run to the page (over the live feed where the page reads one) and
+        return its final state; the caller sends the final update. `note`: a line before the status."""
+        runs = start_session_run(ctx, session, cfg, prompt_ids, ssd=ssd, reference_run=bool(note))
+        run, live_feed = next(runs), None
+        lead = f"{note} · " if note else ""
+        if feed:  # the page streams tokens from the live feed; Gradio updates the status line only
             handle, loop = session.handle, loop_of(session)  # when the run pauses, resumes or ends
 
             def live_lines(r: RunState) -> dict[str, charts.LiveSeries]:
                 reference = ctx.reference_for(session)
                 return charts.live_series(r, reference.tokens_per_s if reference else None)
 
-            feed = ctx.feeds.open(handle, lambda r: progress_line(r, ctx.reference_for(session)),
-                                  lambda: loop.stop(handle), live_lines)
-            yield [], STREAMING_STATUS, gr.skip(), gr.skip(), feed_html(feed.id)
+            live_feed = ctx.feeds.open(handle, lambda r: lead + progress_line(r, ctx.reference_for(session)),
+                                       lambda: loop.stop(handle), live_lines)
+            yield [], STREAMING_STATUS, gr.skip(), gr.skip(), feed_html(live_feed.id)
         shown, frames, paused = None, 0, False
         for run in runs:
-            if feed is not None and (feed.opened.is_set() or time.monotonic() - feed.created < ATTACH_SECONDS):
+            if live_feed is not None and (live_feed.opened.is_set()
+                                          or time.monotonic() - live_feed.created < ATTACH_SECONDS):
                 if run.paused != paused and run.start is not None:  # the timer draws every chart while paused
                     paused = run.paused
-                    yield (gr.skip(), status_line(run, ctx.reference_for(session)) if paused else STREAMING_STATUS,
-                           gr.skip(), gr.Timer(active=paused), gr.skip())
+                    yield (gr.skip(), lead + status_line(run, ctx.reference_for(session)) if paused
+                           else STREAMING_STATUS, gr.skip(), gr.Timer(active=paused), gr.skip())
                 continue  # the page reads the feed (or is about to open it)
             frame = (run.version, run.paused)
             if frame != shown:
                 shown, frames = frame, frames + 1
                 # The status line is Markdown (costly to re-render in the browser): every third frame.
                 status_now = frames % STATUS_EVERY == 1 or run.paused
-                yield (highlighted_tokens(run), status_line(run, ctx.reference_for(session)) if status_now
+                yield (highlighted_tokens(run), lead + status_line(run, ctx.reference_for(session)) if status_now
                        else gr.skip(), gr.skip(), gr.Timer(active=True) if frames == 1 else gr.skip(), gr.skip())
+        return run
+
+    def final_update(session, run, note=""):
         reference = ctx.reference_for(session)
-        yield highlighted_tokens(run), status_line(run, reference), details(run, reference), gr.Timer(active=False), ""
+        status = (f"{note} · " if note else "") + status_line(run, reference)
+        return highlighted_tokens(run), status, details(run, reference), gr.Timer(active=False), ""
 
     def render_charts(request: gr.Request, force: bool = False):
         session = page.session(request)

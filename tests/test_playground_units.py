@@ -15,8 +15,9 @@ from playground import charts
 from playground.inspector import inspect_figure, inspect_markdown
 from playground.limits import Limits, build_config, inspector_width
 from playground.runner import (
-    AR_REFERENCE_RUNS, ARReference, PlaygroundContext, add_ar_run, compare_table, run_compare, run_sweep, start_run,
-    start_session_run, stream_run, sweep_points, tokens_csv,
+    AR_REFERENCE_RUNS, AR_REFERENCE_TOKENS, ARReference, PlaygroundContext, add_ar_run, ar_reference_config,
+    compare_table, run_compare, run_sweep, start_run, start_session_run, stream_run, sweep_points, tokens_csv,
+    wants_ar_reference_run,
 )
 from playground.session import Session, SessionStore, apply_live_change
 from playground.state import RunState, highlighted_tokens, reduce, summary
@@ -531,3 +532,28 @@ def test_the_learn_tab_starts_on_its_first_preset_with_no_page_load_event_to_ove
     assert prompt["props"].get("value") == next(iter(PRESETS.values())).prompt
     loads = [d for d in config["dependencies"] if any(t[1] == "load" for t in d["targets"])]
     assert all(prompt["id"] not in d["outputs"] for d in loads)
+
+
+def test_a_page_asks_for_one_ar_reference_run_before_its_first_speculative_run():
+    session, cactus = Session(), SpecConfig(method="cactus", max_new_tokens=16, delta=0.4, seed=7)
+    assert wants_ar_reference_run(session, cactus)
+    assert not wants_ar_reference_run(session, SpecConfig(method="ar"))
+    session.pause_next = True  # Pause armed: the run asked for parks after its first round
+    assert not wants_ar_reference_run(session, cactus)
+    session.pause_next, session.ar_reference_run = False, True  # once per session
+    assert not wants_ar_reference_run(session, cactus)
+    assert not wants_ar_reference_run(Session(ar_reference=ARReference(1.0, "own")), cactus)
+    reference = ar_reference_config(cactus)
+    assert (reference.method, reference.max_new_tokens) == ("ar", AR_REFERENCE_TOKENS)  # long enough to count
+    assert (reference.delta, reference.seed, reference.temperature) == (0.4, 7, cactus.temperature)
+    assert "AR reference run" in add_ar_run(session, 90.0, 32, reference_run=True).how
+
+
+def test_the_throughput_line_starts_at_the_first_round_that_ran_a_forward(tiny_pair):
+    """AR's first round runs no forward (the prefill's last row is its T_1): its token in about a
+    millisecond is no speed, and as a point it set the live chart's scale."""
+    run = _run(tiny_pair, "ar")
+    points = charts.throughput_points(run.rounds, window=3)
+    assert [x for x, _ in points] == [r.elapsed_seconds for r in run.rounds[1:]]
+    second = run.rounds[1]
+    assert points[0][1] == second.num_emitted / second.round_seconds

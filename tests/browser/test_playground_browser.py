@@ -129,26 +129,17 @@ def test_generate_live_tune_inspect_and_compare(page):
 @pytest.mark.slow
 def test_the_readme_picture_is_a_default_pair_run_at_the_page_defaults(default_playground_url):
     """What a newcomer sees first: the deployed pair (SmolLM2-135M and its draft) at the page's own
-    defaults; real text in the token view, every live chart drawn. The pictured run is the default
-    method after one run of it (the browser's first drawing of the charts costs the engine on these
-    2 shared cores: about 30 against 95 tok/s for a first AR run, none through the API) and an AR
-    run, so that its × AR reads against this session's own AR, like for like. The picture goes to
-    artifacts/playground-readme.png (SPECPLAY_UPDATE_README_SHOT=1 copies it to docs/playground.png)."""
+    defaults; real text in the token view, every live chart drawn. The pictured run is the page's
+    first, so it starts with the AR reference run (same prompt and settings) that its × AR divides
+    by, like for like. The picture goes to artifacts/playground-readme.png
+    (SPECPLAY_UPDATE_README_SHOT=1 copies it to docs/playground.png)."""
     ARTIFACTS.mkdir(exist_ok=True)
     expect = sync_api.expect
     with _open_page(default_playground_url) as page:
         assert "SmolLM2" in page.locator("#header").inner_text()
-        default_method = page.locator("#method input:checked").get_attribute("value")
         page.click("#generate-btn")
         expect(page.locator("#status")).to_contain_text("finished", timeout=180_000)
-        page.get_by_label("AR (baseline)").check()
-        page.click("#generate-btn")
-        expect(page.locator("#status")).not_to_contain_text("× AR", timeout=180_000)  # AR's own status
-        expect(page.locator("#status")).to_contain_text("finished", timeout=180_000)
-        page.locator(f"#method input[value='{default_method}']").check()
-        page.click("#generate-btn")
-        expect(page.locator("#status")).to_contain_text("your AR run", timeout=180_000)
-        expect(page.locator("#status")).to_contain_text("finished", timeout=180_000)
+        expect(page.locator("#status")).to_contain_text("your AR reference run")
         text = "".join(page.locator("#tokens .token").all_inner_texts())
         assert len(re.findall(r"[A-Za-z]{3,}", text)) > 10, text[:200]  # words, not byte fragments
         for chart in ("chart-throughput", "chart-divergence", "chart-per-position", "chart-histogram"):
@@ -202,6 +193,30 @@ def test_the_key_charts_draw_live_lines_while_the_run_streams_then_plotly_takes_
         for chart in ("chart-throughput", "chart-divergence"):
             assert ink.get(chart, 0) > 200, ink  # a title, axes and a line, not a blank box
             _wait_for_traces(page, chart)
+
+
+def test_a_pages_first_speculative_run_starts_with_its_ar_reference_run(page):
+    """× AR divides by AR measured the way the run was: through this page, with this browser on the
+    machine. A page's first Cactus run therefore begins with plain AR on the same prompt and
+    settings, and reads × AR against that run (no AR run was asked for: the reference is that one);
+    the page's next run goes straight to Cactus (a second AR run would make it a median of two)."""
+    expect = sync_api.expect
+    max_new = page.get_by_label("number input for max new tokens")
+    max_new.fill("48")
+    max_new.press("Enter")
+    page.get_by_label("Cactus (KL budget)").check()
+    page.click("#generate-btn")
+    expect(page.locator("#status")).to_contain_text("finished", timeout=120_000)
+    first = page.locator("#status").inner_text()
+    assert "× AR" in first and "your AR reference run, before your first run on this page" in first, first
+    colours = page.evaluate("""() => [...document.querySelectorAll('#tokens .token')]
+        .map(e => getComputedStyle(e).backgroundColor)""")
+    assert len(set(colours)) >= 2, colours[:5]  # the final view holds Cactus's statuses, not AR's one
+    page.click("#generate-btn")
+    expect(page.locator("#status")).not_to_have_text(first)
+    expect(page.locator("#status")).to_contain_text("finished", timeout=120_000)
+    reference = re.compile(r"reference AR [\d.]+ tok/s: your AR reference run[^)]*\)")
+    assert reference.search(page.locator("#status").inner_text()).group() == reference.search(first).group()
 
 
 def test_landing_page_charts_have_titles_and_hints_before_any_run(page):
