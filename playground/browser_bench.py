@@ -9,7 +9,8 @@ It prints medians of: engine-only decode tok/s; the same request through the ser
 browser (gradio_client: what the server's pipeline costs); the page's tok/s (the engine's own decode
 rate as the page ran it, shown in its status line); their ratio (the median of per-repeat ratios,
 each page run against the engine-only run just before it, and each ratio); "× AR" as the engine alone gives it and as
-the page's status line reads it (against this session's own AR run, when AR is among the methods); the rate the browser saw tokens arrive;
+the page's status line reads it (against this session's own AR run, when AR is among the methods), and
+as a fresh page's first run of the method reads it (after the AR reference run that run starts with); the rate the browser saw tokens arrive;
 time to first token (click to first token drawn); the longest gap between token-view updates
 after the first token; the longest main-thread task Chromium reported; and the cores Chromium kept
 busy during the run (its CPU seconds over the run's wall time: what it took from the engine).
@@ -161,6 +162,19 @@ def page_run(page, method: str) -> dict:
             "browser_cores": browser_cores}
 
 
+def first_run_x_ar(browser, url: str, method: str) -> float | None:
+    """"× AR" as a new visitor's first run of `method` reads it: a fresh page (a new session, with no
+    AR run of its own), one Generate click. That run starts with the page's AR reference run."""
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    try:
+        page.goto(url)
+        page.wait_for_selector("#generate-btn")
+        settle()
+        return page_run(page, method)["x_ar"]
+    finally:
+        page.close()
+
+
 TRACE_CATEGORIES = ["toplevel", "devtools.timeline", "blink.user_timing"]
 TRACE_MARK = "specplay-trace"
 
@@ -256,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, list[tuple[float, dict]]] = {m: [] for m in methods}
     traces: dict[str, dict[str, tuple[float, float]]] = {}
     api: dict[str, list[float]] = {m: [] for m in methods}
+    first_runs: dict[str, list[float]] = {m: [] for m in methods if m != "ar"}
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=niced(CHROMIUM, args.browser_nice, log.parent), args=CHROMIUM_ARGS)
@@ -274,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                     api[method].append(api_run(client, method, k))
                     print(method, f"engine {rows[method][-1][0]:.1f} tok/s, API {api[method][-1]:.1f}, page",
                           rows[method][-1][1], flush=True)
+                for method in first_runs:
+                    first_runs[method].append(first_run_x_ar(browser, f"http://127.0.0.1:{port}", method))
+                    print(method, "a fresh page's first run:", first_runs[method][-1], "x AR", flush=True)
             if args.trace is not None:
                 args.trace.mkdir(parents=True, exist_ok=True)
                 for method in methods:
@@ -287,14 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pair {args.pair}, K {k}, defaults {DEFAULT_SETTINGS}, median of {args.repeats}; CPU: {_cpu_name()}; "
           f"Chromium at nice {args.browser_nice}")
     print(f"{'method':8} {'engine tok/s':>12} {'API tok/s':>9} {'page tok/s':>10} {'ratio':>6} {'x AR engine':>11} {'x AR page':>9} "
-          f"{'seen tok/s':>10} {'1st token s':>11} {'longest gap s':>13} {'long task ms':>12} {'browser cores':>13}  "
-          "page/engine per repeat")
+          f"{'x AR 1st run':>12} {'seen tok/s':>10} {'1st token s':>11} {'longest gap s':>13} {'long task ms':>12} "
+          f"{'browser cores':>13}  page/engine per repeat")
     # Ratios are medians of per-repeat ratios (each page run against the engine-only run just before
     # it; each method against AR in the same repeat), so the VM's drift between repeats cancels.
     for method, results in rows.items():
         def med(key: str) -> float:
-            values = [r[key] for _, r in results if r[key] is not None]
-            return statistics.median(values) if values else float("nan")
+            return _median([r[key] for _, r in results])
 
         engine = statistics.median(e for e, _ in results)
         ratios = [r["page_tps"] / e for e, r in results]
@@ -302,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             if rows.get("ar") and method != "ar" else float("nan")
         print(f"{method:8} {engine:12.1f} {statistics.median(api[method]):9.1f} {med('page_tps'):10.1f} "
               f"{statistics.median(ratios):6.2f} {x_ar_engine:11.2f} {med('x_ar'):9.2f} "
+              f"{_median(first_runs.get(method, [])):12.2f} "
               f"{med('seen_tps'):10.1f} {med('first_token_s'):11.2f} {max(r['longest_gap_s'] for _, r in results):13.2f} "
               f"{max(r['long_task_ms'] for _, r in results):12.0f} {med('browser_cores'):13.2f}  "
               + " / ".join(f"{x:.2f}" for x in ratios))
@@ -312,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, (first, decode) in list(busy.items())[:6]:
             print(f"  {name:28} {first:7.1f} {decode:7.1f}")
     return 0
+
+
+def _median(values: list[float | None]) -> float:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else float("nan")
 
 
 def niced(executable: str, level: int, folder: Path) -> str:
