@@ -126,10 +126,11 @@ DIVERGENCE_CAPTION = {
     "sps": "SpS is lossless: it emits T itself, so KL(induced ‖ T) = 0 at every tested position.",
     "tas": "TAS keeps a draft whose T(x) passes its threshold and recovers with argmax T: it enforces no "
            "divergence bound.",
-    "cactus": "Bars: KL(h ‖ T), the per-step constraint δ bounds. Theorem 3 bounds what is emitted by "
-              "min(Γ(δ), KL(D ‖ T)), not by δ.",
+    "cactus": "Bars: KL(h ‖ T) per step, which δ bounds. What is emitted is bounded by "
+              "min(Γ(δ), KL(D ‖ T)) (Thm 3), not by δ.",
 }
-CAPTION_WIDTH = 58  # characters per caption line: the chart is half the page wide
+CAPTION_WIDTH = 58  # characters per caption line: the chart is half the page wide; in two lines the
+# caption stays in the title's margin (Plotly centres a title there, and a third line reached the plot)
 INDUCED_COLOUR, DRAFT_COLOUR, CONSTRAINT_COLOUR = "#9467bd", "#7f7f7f", "#8c564b"
 
 
@@ -158,7 +159,7 @@ def divergence_budget(state: RunState) -> go.Figure:
     outside = len(draft) - len(finite)
     traces.append({"type": "scatter", "x": [i for i, _ in finite], "y": [v for _, v in finite], "mode": "markers",
                    "name": "KL(D ‖ T): the draft alone" + (" (Thm 3 ceiling)" if state.method == "cactus" else "")
-                   + (f"; ∞ at {outside} (D outside T's support)" if outside else ""),
+                   + (f"<br>∞ at {outside} positions: D outside T's support" if outside else ""),
                    "marker": {"symbol": "x", "size": 5, "color": DRAFT_COLOUR}})
     traces.append({"type": "scatter", "x": [t.index for t in tested],
                    "y": [state.divergence[t.index].induced_kl for t in tested], "mode": "markers",
