@@ -133,22 +133,22 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
         session = page.session(request)
         if wants_feed_v and wants_ar_reference_run(session, cfg):  # a page's first speculative run
             session.ar_reference_run = True
-            note = f"**AR reference run**, then {METHOD_LABELS[method_v]}: × AR will divide by AR on this page"
-            run = yield from on_page(session, ar_reference_config(cfg), prompt_ids, note=note)
+            lead = f"**AR reference run**, then {METHOD_LABELS[method_v]}: × AR will divide by AR on this page · "
+            run = yield from on_page(session, ar_reference_config(cfg), prompt_ids, lead=lead)
             if run.finish is None or run.finish.reason == "stopped":
-                yield final_update(session, run, note)
+                yield final_update(session, run, lead)
                 return
             live = session.control  # knobs turned during the reference run hold for the run asked for
             cfg = replace(cfg, **{name: getattr(live, name) for name in LIVE_FIELDS})
         run = yield from on_page(session, cfg, prompt_ids, ssd=method_v == "ssd", feed=wants_feed_v)
         yield final_update(session, run)
 
-    def on_page(session, cfg, prompt_ids, *, ssd=False, feed=True, note=""):
+    def on_page(session, cfg, prompt_ids, *, ssd=False, feed=True, lead=""):
         """Stream one session run to the page (over the live feed where the page reads one) and
-        return its final state; the caller sends the final update. `note`: a line before the status."""
-        runs = start_session_run(ctx, session, cfg, prompt_ids, ssd=ssd, reference_run=bool(note))
+        return its final state; the caller sends the final update. `lead`: the AR reference run's
+        words before its status lines."""
+        runs = start_session_run(ctx, session, cfg, prompt_ids, ssd=ssd, reference_run=bool(lead))
         run, live_feed = next(runs), None
-        lead = f"{note} · " if note else ""
         if feed:  # the page streams tokens from the live feed; Gradio updates the status line only
             handle, loop = session.handle, loop_of(session)  # when the run pauses, resumes or ends
 
@@ -177,10 +177,10 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
                        else gr.skip(), gr.skip(), gr.Timer(active=True) if frames == 1 else gr.skip(), gr.skip())
         return run
 
-    def final_update(session, run, note=""):
+    def final_update(session, run, lead=""):
         reference = ctx.reference_for(session)
-        status = (f"{note} · " if note else "") + status_line(run, reference)
-        return highlighted_tokens(run), status, details(run, reference), gr.Timer(active=False), ""
+        return (highlighted_tokens(run), lead + status_line(run, reference), details(run, reference),
+                gr.Timer(active=False), "")
 
     def render_charts(request: gr.Request, force: bool = False):
         session = page.session(request)
