@@ -62,6 +62,7 @@ def generate(
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     stream = UniformStream(cfg.seed)
     target.reset()
+    target.reserve(len(prompt_ids) + cfg.max_new_tokens)  # a round verifies at most up to the last new token
     observes = drafter is not None and drafter.needs_target_features
     target.keep_hidden = observes
     if drafter is not None:

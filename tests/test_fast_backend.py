@@ -219,3 +219,17 @@ def test_one_native_call_per_forward_gives_the_same_bits(tiny, weight_dtype):
     with pytest.raises(IndexError, match="token ids"):
         fused.forward([fused.w.embed.shape[0]])
     assert fused.length == plain.length
+
+
+def test_generate_sizes_the_cache_once_before_the_prefill(tiny):
+    """The engine reserves a run's positions (prompt + max_new_tokens) up front: a target made per
+    run stays cheap (a small cache) and no round stops to grow it by doubling."""
+    from engine.config import SpecConfig
+    from engine.decoding import generate
+
+    prompt = tiny.encode_prompt("Once upon a time")
+    target = FastLlamaCausalLM(tiny.target_model, "fast", tiny.vocab_size, max_length=4)
+    cfg = SpecConfig(method="sps", num_speculative_tokens=3, max_new_tokens=23, temperature=0.0)
+    events = list(generate(target, tiny.make_drafter("model"), tiny.tokenizer, prompt, cfg))
+    assert len(events[-1].token_ids) == 23
+    assert target.max_length == len(prompt) + 23

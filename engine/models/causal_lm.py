@@ -87,6 +87,10 @@ class CausalLM(ABC):
     def _forward_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"the {self.backend} backend cannot take input vectors")
 
+    def reserve(self, length: int) -> None:
+        """Make room for `length` cached positions now, so that no forward of the coming generation
+        stops to grow the cache. A backend whose cache grows cheaply (or not at all) ignores it."""
+
     def rollback(self, length: int) -> None:
         """Keep only the first `length` cached tokens (rejected drafts are dropped this way)."""
         if not 0 <= length <= self.length:

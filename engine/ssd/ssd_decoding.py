@@ -293,6 +293,7 @@ class SSDEngine:
         rows = []
         for i, (prompt, target) in enumerate(zip(prompts, self._make_targets(len(prompts)))):
             target.reset()
+            target.reserve(len(prompt) + cfg.max_new_tokens)
             target.keep_hidden = observes
             row = _Row(target, list(prompt), UniformStream(int(cfg.seed) + i),
                        IncrementalDetokenizer(self.pair.tokenizer), commit=list(prompt), index=i)
