@@ -4,8 +4,8 @@ Why it is faster than `HFCausalLM` on a small, memory-bandwidth-bound CPU:
 
 * The decoder is a plain loop of a few tensor ops per layer: no module hooks, masks built by
   transformers' generic code, or `DynamicCache` concatenation per step.
-* The KV cache is preallocated ([layers, kv_heads, max_length, head_dim]); a forward writes into
-  it in place and `rollback` only moves the length pointer, so rejected drafts cost nothing.
+* The KV cache is preallocated ([layers, kv_heads, max_length, head_dim], sized to each generation
+  by `reserve`); a forward writes into it in place and `rollback` only moves the length pointer, so rejected drafts cost nothing.
 * Q/K/V and gate/up projections are fused into one matmul each (fewer, larger kernels).
 * The LM head -- the biggest single matrix -- is applied only to the `last_n` positions asked for.
 * Weights can be stored as float32, bfloat16, float16, int8, q4_1 or q4_1_a16: decoding reads every
