@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from playground.state import STATUS_COLOURS, RunState
+from playground.state import STATUS_COLOURS, RunState, summary
 
 MAX_TOKENS = 400
 MAX_ROUNDS = 200
@@ -365,13 +365,6 @@ def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
     return tokens / (1 + k * cost_ratio)
 
 
-def _tokens_per_second(state: RunState) -> float | None:
-    if state.finish is not None:
-        return state.finish.metrics.get("decode_tokens_per_s")
-    seconds = sum(r.round_seconds for r in state.rounds)
-    return sum(r.num_emitted for r in state.rounds) / seconds if seconds > 0 else None
-
-
 def speedup_curve(state: RunState, ar_baseline_tps: float | None) -> go.Figure:
     """Theoretical speedup against α for this run's K and measured cost ratio c, with the measured point."""
     rounds = [r for r in state.rounds if r.num_draft_tokens]
@@ -385,7 +378,7 @@ def speedup_curve(state: RunState, ar_baseline_tps: float | None) -> go.Figure:
     alphas = [i / 50 for i in range(51)]
     traces = [{"type": "scatter", "x": alphas, "y": [expected_speedup(a, k, cost_ratio) for a in alphas],
                "mode": "lines", "name": f"theory: K={k}, c={cost_ratio:.2f}", "line": {"color": "#7f7f7f"}}]
-    tps = _tokens_per_second(state)
+    tps = summary(state).get("decode_tokens_per_s")  # the status line's figure
     if ar_baseline_tps and tps:
         traces.append({"type": "scatter", "x": [alpha], "y": [tps / ar_baseline_tps], "mode": "markers",
                        "name": f"measured (α={alpha:.2f}, {tps / ar_baseline_tps:.2f}×)",

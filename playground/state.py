@@ -134,6 +134,7 @@ def summary(state: RunState) -> dict:
         accepted = sum(r.num_accepted for r in state.rounds)
         drafts = sum(1 for r in state.rounds if r.num_draft_tokens)
         elapsed = state.rounds[-1].elapsed_seconds if state.rounds else 0.0
+        prefill = state.start.prefill_seconds if state.start is not None else 0.0
         metrics = {
             "new_tokens": len(state.tokens),
             "num_rounds": len(state.rounds),
@@ -141,8 +142,15 @@ def summary(state: RunState) -> dict:
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
             "constraint_kl_total": sum(r.constraint_kl for r in state.rounds),
             "elapsed_seconds": elapsed,
+            "prefill_seconds": prefill,
             "tokens_per_s": len(state.tokens) / elapsed if elapsed > 0 else None,
         }
+        # The final line's rate, so far: tokens over the decode (elapsed after the prefill), which is
+        # what "× AR" divides (the reference is a decode rate too). Shown from the first round that
+        # ran a verification: AR's round 0 runs none (its token is the prefill's last row), and one
+        # token over its microseconds would read thousands of tok/s.
+        if any(r.verify_seconds > 0 for r in state.rounds[:2]) and elapsed > prefill:
+            metrics["decode_tokens_per_s"] = len(state.tokens) / (elapsed - prefill)
         if state.ssd_rounds:
             last = state.ssd_rounds[-1]
             metrics.update(cache_hit_rate=last.hit_rate, theoretical_speedup=last.theoretical_speedup,

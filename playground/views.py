@@ -55,7 +55,7 @@ def _headline(run: RunState, reference: ARReference | None, *, say_how: bool) ->
              f"paused after round {len(run.rounds) - 1} (Step or Resume)" if run.paused else "generating…")
     if run.error and run.finish is not None:
         state = f"finished ({run.finish.reason}): {run.error}"
-    tps = m.get("decode_tokens_per_s") or m.get("tokens_per_s")
+    tps = m.get("decode_tokens_per_s")  # live too: the rate × AR divides, never one with the prefill in it
     parts = [f"**{state}**", f"{m.get('new_tokens', 0)} tokens"]
     if tps:
         speed = f"{tps:.1f} tok/s"

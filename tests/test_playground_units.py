@@ -22,6 +22,7 @@ from playground.runner import (
 from playground.session import Session, SessionStore, apply_live_change
 from playground.state import RunState, highlighted_tokens, reduce, summary
 from playground.tutor import STAGES, explain_stage, round_tokens
+from playground.views import progress_line
 from playground.vllm_config import speculative_config
 
 
@@ -108,6 +109,26 @@ def test_time_parked_by_pause_is_left_out_of_the_rates_the_page_shows(tiny_pair)
     live = summary(state)
     running = state.rounds[-1].elapsed_seconds - decode / 2
     assert live["tokens_per_s"] == pytest.approx(len(state.tokens) / running)
+
+
+def test_the_live_line_shows_the_decode_rate_that_x_ar_divides(tiny_pair):
+    """While a run streams, its tok/s (and so its × AR) is the final line's quantity so far: tokens
+    over the decode, not over a clock that started before the prefill. AR's round 0 runs no forward,
+    so no rate is shown until a round has verified."""
+    done = _run(tiny_pair, method="ar")
+    prefill = done.start.prefill_seconds
+    state = RunState(method="ar", config=done.config)
+    reduce(state, done.start)
+    for event in [*done.tokens[:1], done.rounds[0]]:
+        reduce(state, event)
+    assert done.rounds[0].verify_seconds == 0 and "decode_tokens_per_s" not in summary(state)
+    assert "tok/s" not in progress_line(state, None)
+    for event in [*done.tokens[1:], *done.rounds[1:]]:
+        reduce(state, event)
+    live = summary(state)["decode_tokens_per_s"]
+    assert live == pytest.approx(len(state.tokens) / (state.rounds[-1].elapsed_seconds - prefill))
+    assert live > len(state.tokens) / state.rounds[-1].elapsed_seconds  # the prefill is out of it
+    assert f"{live:.1f} tok/s" in progress_line(state, None)
 
 
 def test_engine_calls_run_on_the_engine_thread(tiny_pair):
@@ -364,7 +385,6 @@ def test_the_live_feed_carries_every_token_once_in_order_and_ends_with_the_run(t
     import asyncio
 
     from playground.live_feed import LiveFeeds, messages
-    from playground.views import progress_line
 
     ctx = PlaygroundContext("tiny", tiny_pair)
     control = SpecConfig(method="cactus", max_new_tokens=40, temperature=0.8, top_k=20, seed=2,
