@@ -50,7 +50,7 @@ class RunHandle:
     steps: int = 0  # rounds still allowed while paused (Step)
     parked: bool = False  # paused and waiting at a round boundary right now
     paused_seconds: float = 0.0
-    max_concurrent: int = 1  # most runs that shared the engine thread with this one, itself included
+    max_concurrent: int = 1  # most runs that took turns on the engine thread with this one, itself included
     rounds_done: int = 0
     _iterator: Iterator | None = None
     _parked_at: float | None = None
@@ -74,6 +74,7 @@ class RunHandle:
                     self.run.error = self.error
             self.run.paused = self.parked
             self.run.paused_seconds = self.paused_seconds
+            self.run.max_concurrent = self.max_concurrent
             return self.run
 
     def wait(self, condition: Callable[["RunHandle"], bool], timeout: float) -> bool:
@@ -121,8 +122,6 @@ class EngineLoop:
     def start(self, handle: RunHandle) -> RunHandle:
         with self._wake:
             self._runs.append(handle)
-            for run in self._runs:
-                run.max_concurrent = max(run.max_concurrent, len(self._runs))
             self._ensure_thread()
             self._wake.notify()
         return handle
@@ -172,6 +171,8 @@ class EngineLoop:
             if runnable:
                 handle = runnable[turn % len(runnable)]
                 turn += 1
+                # Parked runs (a Learn-tab round, a paused run) take no turns, so they do not count.
+                handle.max_concurrent = max(handle.max_concurrent, len(runnable))
                 self._advance(handle)
 
     def _check_deadlines(self) -> None:

@@ -67,6 +67,7 @@ class RunState:
     error: str = ""
     paused: bool = False  # parked at a round boundary (Pause / Step), set by the engine loop's handle
     paused_seconds: float = 0.0  # time spent parked, left out of the page's tok/s
+    max_concurrent: int = 1  # most runs that took turns on the engine thread with this one, itself included
     started_at: float = field(default_factory=time.time)
     version: int = 0  # bumped by every event, so redraws can be skipped when nothing changed
     _pending: list[TokenEvent] = field(default_factory=list)

@@ -63,6 +63,10 @@ def _headline(run: RunState, reference: ARReference | None, *, say_how: bool) ->
             x_ar = f"{tps / reference.tokens_per_s:.2f}× AR"
             speed += f" (**{x_ar}**; reference {reference.how})" if say_how else f" ({x_ar})"
         parts.append(speed)
+        if run.max_concurrent > 1:  # the engine thread interleaves runs round by round
+            others = run.max_concurrent - 1
+            parts.append(f"shared the engine with {others} other run{'s' if others > 1 else ''} at times: "
+                         "this rate is its share, not the engine's speed")
     return m, parts
 
 

@@ -96,6 +96,38 @@ def test_pause_step_and_stop_at_round_boundaries(tiny_pair):
     assert run.paused_seconds > 0 and not run.paused
 
 
+def test_a_run_that_took_turns_with_another_says_so_and_parked_runs_do_not_count(tiny_pair):
+    """Runs interleave round by round on the engine thread, so a run's rate is its share of it: the
+    status line says so, and such an AR run is no reference. A parked run (a Learn-tab round, a
+    paused run) takes no turns and counts for nothing."""
+    from playground.runner import timed_ar_speed
+    from playground.views import status_line
+
+    ctx = PlaygroundContext("tiny", tiny_pair)
+    prompt = tiny_pair.encode_prompt("hi")
+
+    def run(paused: bool):
+        return start_run(ctx, SpecConfig(method="ar", max_new_tokens=200, temperature=0.8), prompt,
+                         RunState(method="ar"), time.monotonic() + 600, paused=paused, steps=0)
+
+    parked = run(True)  # parked before its prefill for the whole test
+    alone = run(False)
+    assert alone.done.wait(120)
+    assert alone.state().max_concurrent == 1 and "shared the engine" not in status_line(alone.state(), None)
+    assert timed_ar_speed(alone, False) is not None
+    first, second = run(True), run(True)
+    with ctx.engine._wake:  # both resumed before the loop's next turn: they take turns from the first round
+        ctx.engine.resume(first)
+        ctx.engine.resume(second)
+    assert first.done.wait(120) and second.done.wait(120)
+    for handle in (first, second):
+        assert handle.state().max_concurrent == 2
+        assert "shared the engine with 1 other run at times" in status_line(handle.state(), None)
+        assert timed_ar_speed(handle, False) is None
+    ctx.engine.stop(parked)
+    assert parked.done.wait(120)
+
+
 def test_time_parked_by_pause_is_left_out_of_the_rates_the_page_shows(tiny_pair):
     """A run paused for half its decode time shows the rate it ran at, not half of it (× AR reads it)."""
     state = _run(tiny_pair, method="sps")
