@@ -217,7 +217,9 @@ class SSDMetrics:
     def rates(self) -> dict:
         """The inputs of Theorem 7 / Theorem 17 measured so far (None where nothing was seen)."""
         verify = self.verify_seconds / self.rounds if self.rounds else None
-        misses = tuple(s for s in self.rows_by_source if s != "cache")
+        # A miss is a lookup the cache did not answer (its backup drafted). Rounds drafted in the target
+        # process ("local" by choice, "sync" once the worker is gone) looked nothing up.
+        misses = tuple(s for s in self.rows_by_source if s not in ("cache", "local", "sync"))
         return {
             "p_hit": self.hits / self.lookups if self.lookups else None,
             "e_hit": self._tokens_per_round(("cache",)),

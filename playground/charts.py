@@ -131,6 +131,21 @@ DIVERGENCE_CAPTION = {
 }
 CAPTION_WIDTH = 58  # characters per caption line: the chart is half the page wide; in two lines the
 # caption stays in the title's margin (Plotly centres a title there, and a third line reached the plot)
+NOTE_WIDTH = 90  # characters per line of a note inside a half-width plot (10 px text)
+
+
+def captioned(title: str, caption: str) -> tuple[str, int]:
+    """(title text, top margin) for a short title over a caption in small type, wrapped to fit a
+    half-width chart: a long title is cut off at the chart's edge, where Plotly does not wrap it."""
+    lines = textwrap.wrap(caption, CAPTION_WIDTH)
+    return title + "".join(f"<br><sub>{line}</sub>" for line in lines), 50 + 16 * len(lines)
+
+
+def _note(text: str) -> dict:
+    """A note in the plot's top-left corner, wrapped (Plotly does not wrap annotations)."""
+    return {"text": "<br>".join(textwrap.wrap(text, NOTE_WIDTH)), "showarrow": False, "x": 0, "y": 1.0,
+            "xref": "paper", "yref": "paper", "xanchor": "left", "yanchor": "top", "align": "left",
+            "bgcolor": "rgba(255,255,255,0.85)", "font": {"size": 10, "color": CHANGE_COLOUR}}
 INDUCED_COLOUR, DRAFT_COLOUR, CONSTRAINT_COLOUR = "#9467bd", "#7f7f7f", "#8c564b"
 
 
@@ -169,10 +184,9 @@ def divergence_budget(state: RunState) -> go.Figure:
     traces.append({"type": "scatter", "x": [i for i, _ in shown], "y": [v for _, v in shown], "mode": "lines",
                    "name": "Σ KL(induced ‖ T) so far (right axis)", "yaxis": "y2", "line": {"color": "#333"}})
     shapes, notes = change_marks(state, "token", x[0] - 1)
-    lines = textwrap.wrap(caption, CAPTION_WIDTH)
-    title = "Divergence from the target" + "".join(f"<br><sub>{line}</sub>" for line in lines)
+    title, top = captioned("Divergence from the target", caption)
     return figure(traces, title, "token index", "nats at a tested position", shapes=shapes, annotations=notes,
-                  height=HEIGHT + 150, margin={"l": 50, "r": 50, "t": 45 + 16 * len(lines), "b": 150},
+                  height=HEIGHT + 150, margin={"l": 50, "r": 50, "t": top, "b": 150},
                   legend={"orientation": "h", "y": -0.22, "yanchor": "top", "font": {"size": 10}},
                   yaxis2={"overlaying": "y", "side": "right", "title": {"text": "total nats"}, "showgrid": False})
 
@@ -267,8 +281,10 @@ def ssd_timeline(state: RunState) -> go.Figure:
     devices = state.start.devices if state.start else ""
     first = min((s.start for r in rounds for s in r.timeline), default=0.0)
     shapes, notes = change_marks(state, "ms", first * 1e3)
-    return figure(traces, f"SSD timeline (last {len(rounds)} rounds, {devices}): draft fills while the target verifies",
-                  "ms since start", "", barmode="overlay", shapes=shapes, annotations=notes)
+    title, top = captioned(f"SSD timeline (last {len(rounds)} rounds)",
+                           f"{devices}: the draft fills the cache while the target verifies")
+    return figure(traces, title, "ms since start", "", barmode="overlay", shapes=shapes, annotations=notes,
+                  margin={"l": 50, "r": 20, "t": top, "b": 40})
 
 
 def draft_verify_timeline(state: RunState) -> go.Figure:
@@ -291,8 +307,9 @@ def draft_verify_timeline(state: RunState) -> go.Figure:
             "hovertemplate": "round %{customdata}: %{x:.1f} ms<extra>" + lane + "</extra>",
         })
     devices = state.start.devices if state.start else ""
-    return figure(traces, f"Draft / verify timeline (last {len(rounds)} rounds, {devices}; synchronous: no overlap)",
-                  "ms since start", "", barmode="overlay")
+    title, top = captioned(f"Draft / verify timeline (last {len(rounds)} rounds)",
+                           f"{devices}; synchronous: the draft and the target take turns")
+    return figure(traces, title, "ms since start", "", barmode="overlay", margin={"l": 50, "r": 20, "t": top, "b": 40})
 
 
 def ssd_cache_hits(state: RunState) -> go.Figure:
@@ -310,16 +327,18 @@ def ssd_cache_hits(state: RunState) -> go.Figure:
     m = state.finish.metrics if state.finish else {}
     last = rounds[-1]
     hit = f"{last.hit_rate:.0%}" if last.hit_rate is not None else "–"
-    per = ""
-    if m.get("tokens_per_round_hit") is not None or m.get("tokens_per_round_miss") is not None:
-        per = f"; tokens/round hit {m.get('tokens_per_round_hit') or 0:.2f}, miss {m.get('tokens_per_round_miss') or 0:.2f}"
+    per = "".join(f", {kind} {m[key]:.2f}" for kind, key in (("hit", "tokens_per_round_hit"),
+                                                               ("miss", "tokens_per_round_miss"))
+                  if m.get(key) is not None)
+    per = f"; tokens/round{per.removeprefix(',')}" if per else ""
     notes = [f"{w.kind}: {w.message}" for w in state.worker_events if w.kind != "started"] or \
         [r.fill_note for r in rounds[-1:] if r.fill_note]
-    title = f"SSD cache: hit rate {hit} (green hit, red miss → backup, grey drafted by the target){per}"
-    annotations = [{"text": notes[-1][:120], "showarrow": False, "x": 0, "y": 1.0, "xref": "paper", "yref": "paper",
-                    "xanchor": "left", "font": {"size": 10, "color": CHANGE_COLOUR}}] if notes else []
+    title, top = captioned(f"SSD cache: hit rate {hit}",
+                           f"green hit, red miss → backup, grey drafted by the target{per}")
+    annotations = [_note(notes[-1])] if notes else []
     shapes, marks = change_marks(state, "round", rounds[0].round_index - 0.5)
-    return figure([trace], title, "round", "tokens emitted", shapes=shapes, annotations=annotations + marks)
+    return figure([trace], title, "round", "tokens emitted", shapes=shapes, annotations=annotations + marks,
+                  margin={"l": 50, "r": 20, "t": top, "b": 40})
 
 
 def _cache_hover(r) -> str:
@@ -343,7 +362,9 @@ def ssd_speedup(state: RunState) -> go.Figure:
     """Theorem 7's speedup from the measured hit rate, E_hit/E_miss and T_p/T_b, next to the measured one."""
     rounds = [r for r in state.ssd_rounds if r.theoretical_speedup is not None]
     if not rounds:
-        return _empty("SSD speedup (Theorem 7)", "needs a few SSD rounds")
+        local = state.ssd_rounds and all(s == "local" for r in state.ssd_rounds for s in r.sources)
+        return _empty("SSD speedup (Theorem 7)", "no cache lookups: every round was drafted in the target process "
+                      "(the cache chart says why)" if local else "needs a few SSD rounds")
     x = [r.round_index for r in rounds]
     traces = [
         {"type": "scatter", "x": x, "y": [r.theoretical_speedup for r in rounds], "mode": "lines",
@@ -355,8 +376,10 @@ def ssd_speedup(state: RunState) -> go.Figure:
     shape, note = _hline(1.0, "one token per verification", "#aaaaaa")
     shapes, notes = change_marks(state, "round", x[0] - 0.5)
     t_p, t_b = r.get("t_p"), r.get("t_b")
-    return figure(traces, f"SSD speedup: T_p={t_p or 0:.2f}, T_b={t_b or 0:.2f}, backup {r.get('backup')}, "
-                  f"r={r.get('power_r', 0):.2f}", "round", "speedup", shapes=[shape, *shapes], annotations=[note, *notes])
+    title, top = captioned("SSD speedup (Theorem 7)", f"T_p={t_p or 0:.2f}, T_b={t_b or 0:.2f}, backup {r.get('backup')}, "
+                           f"r={r.get('power_r', 0):.2f}")
+    return figure(traces, title, "round", "speedup", shapes=[shape, *shapes], annotations=[note, *notes],
+                  margin={"l": 50, "r": 20, "t": top, "b": 40})
 
 
 def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:

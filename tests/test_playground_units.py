@@ -37,13 +37,22 @@ def _run(pair, method="cactus", **kw) -> RunState:
     return state
 
 
+def assert_titles_fit(figures) -> None:
+    """Every chart titled, its title short enough for a half-width chart (Plotly cuts a long title at
+    the chart's edge instead of wrapping it), the rest in at most two caption lines."""
+    for fig in figures:
+        title, *caption = fig.layout.title.text.split("<br>")
+        assert title and len(title) <= 56, title
+        assert len(caption) <= 2 and all(len(line.removeprefix("<sub>").removesuffix("</sub>"))
+                                         <= charts.CAPTION_WIDTH for line in caption), caption
+
+
 def test_reducer_charts_and_inspector(tiny_pair):
     state = _run(tiny_pair)
     assert len(highlighted_tokens(state)) == len(state.tokens) == 24
     m = summary(state)
     assert m["tested_positions"] == len(state.divergence) > 0 and m["mean_induced_kl"] >= 0
-    for fig in charts.live_figures(state, ar_baseline_tps=10.0):
-        assert fig.layout.title.text
+    assert_titles_fit(charts.live_figures(state, ar_baseline_tps=10.0))
     assert len(charts.divergence_budget(state).data) >= 3
     tested = next(t.index for t in state.tokens if t.draft_prob is not None)
     assert {tr.name for tr in inspect_figure(state, tested).data} >= {"draft D", "target T", "Cactus h"}
@@ -328,6 +337,7 @@ def test_ssd_fanout_and_c_change_while_paused_apply_next_round_and_are_marked(ti
         assert run.rounds[-1].config["ssd_fanout_mode"] == "geometric"
         notes = [a.text for a in charts.throughput(run, None).layout.annotations]
         assert any("fan-out uniform→geometric" in n and "C 1.0→0.5" in n for n in notes), notes
+        assert_titles_fit(charts.live_figures(run, 10.0))
     finally:
         ctx.ssd_engine().close()
 
@@ -395,7 +405,8 @@ def test_the_ssd_cache_chart_says_why_the_worker_made_no_fill():
         reduce(run, SSDRoundEvent(i, (0,), (False,), ("neural",), ((0, 1),), ((),), (), (1,), (), 0.0, None, None,
                                   fill_note=note if i else ""))
     shown = [a["text"] for a in ssd_cache_hits(run).to_plotly_json()["layout"].get("annotations", [])]
-    assert note in shown
+    assert note in [text.replace("<br>", " ") for text in shown]  # whole, wrapped to the plot's width
+    assert all(len(line) <= charts.NOTE_WIDTH for text in shown for line in text.split("<br>"))
 
 
 def test_the_ssd_cache_hover_shows_token_text_and_rounds_drafted_by_the_target():

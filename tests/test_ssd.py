@@ -368,3 +368,18 @@ def test_projection_replaces_only_the_verification_and_charges_a_fill_that_no_lo
     assert trace.tokens_per_s(True) == pytest.approx(20 / (0.05 + 10 * 0.017))
     assert trace_of(0.030).tokens_per_s(True) == pytest.approx(20 / (0.05 + 10 * 0.033))  # the fill outlasts the faster verify
     assert "projected" in trace.summary()["projection_assumptions"]
+
+
+def test_rounds_drafted_in_the_target_process_are_no_misses():
+    """E_miss (Theorem 7) is over lookups the cache did not answer; a round drafted in the target
+    process (by choice at K = 1 with a feature draft, or once the worker is gone) looked nothing up."""
+    from engine.metrics import SSDMetrics
+
+    m = SSDMetrics()
+    for source, looked_up, emitted in (("local", False, 2), ("sync", False, 2), ("cache", True, 3), ("neural", True, 1)):
+        m.add_row(source, looked_up, emitted)
+    rates = m.rates()
+    assert rates["p_hit"] == 0.5 and rates["e_hit"] == 3 and rates["e_miss"] == 1
+    only_local = SSDMetrics()
+    only_local.add_row("local", False, 2)
+    assert only_local.rates()["e_miss"] is None and only_local.rates()["p_hit"] is None
