@@ -133,7 +133,8 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
         session = page.session(request)
         if wants_feed_v and wants_ar_reference_run(session, cfg):  # a page's first speculative run
             session.ar_reference_run = True
-            lead = f"**AR reference run**, then {METHOD_LABELS[method_v]}: × AR will divide by AR on this page · "
+            # Short: the live line must not wrap anew as its numbers grow (that moves the page below it).
+            lead = f"**AR reference run** for {METHOD_LABELS[method_v]}'s × AR · "
             run = yield from on_page(session, ar_reference_config(cfg), prompt_ids, lead=lead)
             if run.finish is None or run.finish.reason == "stopped":
                 yield final_update(session, run, lead)

@@ -57,6 +57,8 @@ def _headline(run: RunState, reference: ARReference | None, *, say_how: bool) ->
         state = f"finished ({run.finish.reason}): {run.error}"
     tps = m.get("decode_tokens_per_s")  # live too: the rate × AR divides, never one with the prefill in it
     parts = [f"**{state}**", f"{m.get('new_tokens', 0)} tokens"]
+    if not tps and run.finish is None:
+        parts.append("– tok/s")  # until a round has verified: the line keeps its shape (a line that wraps anew moves the page)
     if tps:
         speed = f"{tps:.1f} tok/s"
         if reference and run.method != "ar":

@@ -247,7 +247,8 @@ def test_nothing_below_the_tokens_moves_while_a_run_streams(default_playground_u
     """The live row appearing and the token view leaving (and the other way round) leave the charts
     below where they were: each move re-laid-out and re-rastered the page on the engine's cores. An
     observer installed before the click notes the first chart's top at every change of the token
-    area while the run's live row is there; a second run starts from the first run's full token view.
+    area while the run's live row is there and the status line says it streams; a second run starts
+    from the first run's full token view.
     The default pair, so that a run outlasts its first update (the tiny pair's can end inside it)."""
     expect = sync_api.expect
     with _open_page(default_playground_url) as page:
@@ -259,8 +260,12 @@ def _runs_keep_the_charts_in_place(page, expect) -> None:
         page.evaluate("""() => {
             const chart = () => Math.round(document.querySelector('#chart-throughput').getBoundingClientRect().top);
             window.chartTops = {before: chart(), streaming: []};
+            // While the live row is up and the status line still says the run streams: the final update
+            // (a longer status line, then the full token view) may land before the row is removed.
+            const streaming = () => document.querySelector('#tokens-live [data-feed]')
+                && document.querySelector('#status').textContent.includes('generating');
             new MutationObserver(() => {
-                if (document.querySelector('#tokens-live [data-feed]')) window.chartTops.streaming.push(chart());
+                if (streaming()) window.chartTops.streaming.push(chart());
             }).observe(document.querySelector('#run-view'), {subtree: true, childList: true, characterData: true});
         }""")
         page.click("#generate-btn")
