@@ -29,13 +29,17 @@ AXIS_STYLE = {"gridcolor": "#eaeaea", "zerolinecolor": "#cccccc", "linecolor": "
 
 def figure(traces: Sequence[dict], title: str, x: str = "", y: str = "", *, shapes: Sequence[dict] = (),
            annotations: Sequence[dict] = (), height: int = HEIGHT, xaxis: dict | None = None,
-           yaxis: dict | None = None, **layout) -> go.Figure:
-    """One light-styled figure from trace dicts (the shared look of every chart)."""
+           yaxis: dict | None = None, caption: str = "", margin: dict | None = None, **layout) -> go.Figure:
+    """One light-styled figure from trace dicts (the shared look of every chart). A `caption` goes
+    under the title in small type, wrapped to fit a half-width chart (`_captioned`)."""
+    margin = {"l": 50, "r": 20, "t": 40, "b": 40, **(margin or {})}
+    if caption:
+        title, margin["t"] = _captioned(title, caption)
     return go.Figure(data=list(traces), layout={
         "template": None, "paper_bgcolor": "white", "plot_bgcolor": "white",
         "font": {"family": "sans-serif", "size": 11, "color": "#333"},
         "title": {"text": title, "font": {"size": 14}}, "height": height,
-        "margin": {"l": 50, "r": 20, "t": 40, "b": 40}, "uirevision": "keep",
+        "margin": margin, "uirevision": "keep",
         "legend": {"orientation": "h", "y": -0.25, "font": {"size": 10}},
         "xaxis": {**AXIS_STYLE, "title": {"text": x}, **(xaxis or {})},
         "yaxis": {**AXIS_STYLE, "title": {"text": y}, **(yaxis or {})},
@@ -134,7 +138,7 @@ CAPTION_WIDTH = 58  # characters per caption line: the chart is half the page wi
 NOTE_WIDTH = 90  # characters per line of a note inside a half-width plot (10 px text)
 
 
-def captioned(title: str, caption: str) -> tuple[str, int]:
+def _captioned(title: str, caption: str) -> tuple[str, int]:
     """(title text, top margin) for a short title over a caption in small type, wrapped to fit a
     half-width chart: a long title is cut off at the chart's edge, where Plotly does not wrap it."""
     lines = textwrap.wrap(caption, CAPTION_WIDTH)
@@ -184,9 +188,8 @@ def divergence_budget(state: RunState) -> go.Figure:
     traces.append({"type": "scatter", "x": [i for i, _ in shown], "y": [v for _, v in shown], "mode": "lines",
                    "name": "Σ KL(induced ‖ T) so far (right axis)", "yaxis": "y2", "line": {"color": "#333"}})
     shapes, notes = change_marks(state, "token", x[0] - 1)
-    title, top = captioned("Divergence from the target", caption)
-    return figure(traces, title, "token index", "nats at a tested position", shapes=shapes, annotations=notes,
-                  height=HEIGHT + 150, margin={"l": 50, "r": 50, "t": top, "b": 150},
+    return figure(traces, "Divergence from the target", "token index", "nats at a tested position", shapes=shapes,
+                  annotations=notes, caption=caption, height=HEIGHT + 150, margin={"r": 50, "b": 150},
                   legend={"orientation": "h", "y": -0.22, "yanchor": "top", "font": {"size": 10}},
                   yaxis2={"overlaying": "y", "side": "right", "title": {"text": "total nats"}, "showgrid": False})
 
@@ -281,10 +284,9 @@ def ssd_timeline(state: RunState) -> go.Figure:
     devices = state.start.devices if state.start else ""
     first = min((s.start for r in rounds for s in r.timeline), default=0.0)
     shapes, notes = change_marks(state, "ms", first * 1e3)
-    title, top = captioned(f"SSD timeline (last {len(rounds)} rounds)",
-                           f"{devices}: the draft fills the cache while the target verifies")
-    return figure(traces, title, "ms since start", "", barmode="overlay", shapes=shapes, annotations=notes,
-                  margin={"l": 50, "r": 20, "t": top, "b": 40})
+    return figure(traces, f"SSD timeline (last {len(rounds)} rounds)", "ms since start", "", barmode="overlay",
+                  shapes=shapes, annotations=notes,
+                  caption=f"{devices}: the draft fills the cache while the target verifies")
 
 
 def draft_verify_timeline(state: RunState) -> go.Figure:
@@ -307,9 +309,8 @@ def draft_verify_timeline(state: RunState) -> go.Figure:
             "hovertemplate": "round %{customdata}: %{x:.1f} ms<extra>" + lane + "</extra>",
         })
     devices = state.start.devices if state.start else ""
-    title, top = captioned(f"Draft / verify timeline (last {len(rounds)} rounds)",
-                           f"{devices}; synchronous: the draft and the target take turns")
-    return figure(traces, title, "ms since start", "", barmode="overlay", margin={"l": 50, "r": 20, "t": top, "b": 40})
+    return figure(traces, f"Draft / verify timeline (last {len(rounds)} rounds)", "ms since start", "",
+                  barmode="overlay", caption=f"{devices}; synchronous: the draft and the target take turns")
 
 
 def ssd_cache_hits(state: RunState) -> go.Figure:
@@ -333,12 +334,11 @@ def ssd_cache_hits(state: RunState) -> go.Figure:
     per = f"; tokens/round{per.removeprefix(',')}" if per else ""
     notes = [f"{w.kind}: {w.message}" for w in state.worker_events if w.kind != "started"] or \
         [r.fill_note for r in rounds[-1:] if r.fill_note]
-    title, top = captioned(f"SSD cache: hit rate {hit}",
-                           f"green hit, red miss → backup, grey drafted by the target{per}")
     annotations = [_note(notes[-1])] if notes else []
     shapes, marks = change_marks(state, "round", rounds[0].round_index - 0.5)
-    return figure([trace], title, "round", "tokens emitted", shapes=shapes, annotations=annotations + marks,
-                  margin={"l": 50, "r": 20, "t": top, "b": 40})
+    return figure([trace], f"SSD cache: hit rate {hit}", "round", "tokens emitted", shapes=shapes,
+                  annotations=annotations + marks,
+                  caption=f"green hit, red miss → backup, grey drafted by the target{per}")
 
 
 def _cache_hover(r) -> str:
@@ -376,10 +376,9 @@ def ssd_speedup(state: RunState) -> go.Figure:
     shape, note = _hline(1.0, "one token per verification", "#aaaaaa")
     shapes, notes = change_marks(state, "round", x[0] - 0.5)
     t_p, t_b = r.get("t_p"), r.get("t_b")
-    title, top = captioned("SSD speedup (Theorem 7)", f"T_p={t_p or 0:.2f}, T_b={t_b or 0:.2f}, backup {r.get('backup')}, "
-                           f"r={r.get('power_r', 0):.2f}")
-    return figure(traces, title, "round", "speedup", shapes=[shape, *shapes], annotations=[note, *notes],
-                  margin={"l": 50, "r": 20, "t": top, "b": 40})
+    return figure(traces, "SSD speedup (Theorem 7)", "round", "speedup", shapes=[shape, *shapes],
+                  annotations=[note, *notes],
+                  caption=f"T_p={t_p or 0:.2f}, T_b={t_b or 0:.2f}, backup {r.get('backup')}, r={r.get('power_r', 0):.2f}")
 
 
 def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
