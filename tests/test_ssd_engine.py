@@ -193,6 +193,21 @@ def test_killing_the_worker_degrades_to_synchronous_drafting(tiny_pair):
         assert any(isinstance(e, WorkerEvent) and e.kind == "started" for e in again) and eng.alive
 
 
+def test_a_worker_process_that_cannot_be_spawned_degrades_and_closes_cleanly(tiny_pair, monkeypatch):
+    """Spawning can fail (no processes left, a script without a __main__ guard): the generation then
+    drafts here and says why, and closing the engine has no process to join (it used to raise)."""
+    def refuse(self):
+        raise OSError("Resource temporarily unavailable")
+
+    monkeypatch.setattr(mp.get_context("spawn").Process, "start", refuse)
+    prompt = tiny_pair.encode_prompt("Tell me a story")
+    with SSDEngine(tiny_pair, target_device="cpu:0", draft_device="cpu:1") as eng:
+        events = list(eng.generate([prompt], SpecConfig(max_new_tokens=8, temperature=0.0)))
+    degraded = [e.message for e in events if isinstance(e, WorkerEvent) and e.kind == "degraded"]
+    assert len(degraded) == 1 and "could not be started (OSError: Resource temporarily unavailable)" in degraded[0]
+    assert finishes(events)[0].token_ids == ar_tokens(tiny_pair, prompt, 8)
+
+
 def test_worker_is_pinned_to_its_core(engine, tiny_pair):
     list(engine.generate([tiny_pair.encode_prompt("x")], SpecConfig(max_new_tokens=2)))
     assert os.sched_getaffinity(engine.worker_pid) == {1}

@@ -159,11 +159,16 @@ class SSDEngine:
         self.close()
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._process = ctx.Process(target=worker_main, args=(self.spec, self.draft_device, child), daemon=True,
-                                    name="ssd-draft-worker")
-        self._process.start()
-        child.close()
-        self._conn = parent
+        process = ctx.Process(target=worker_main, args=(self.spec, self.draft_device, child), daemon=True,
+                              name="ssd-draft-worker")
+        try:
+            process.start()
+        except (OSError, RuntimeError) as err:  # no process to join: say why, as a lost worker does
+            parent.close()
+            raise WorkerLost(f"the draft worker could not be started ({type(err).__name__}: {err})") from err
+        finally:
+            child.close()
+        self._process, self._conn = process, parent
         self.info = self._receive(WorkerInfo, self.start_timeout)
         return self.info
 
