@@ -1,7 +1,8 @@
 """`python -m engine.bench`: every number the project reports comes from here.
 
 All rows (method × K × weight format, the peers, SSD) run in one process on the same prompts with
-the same seeds (prompt i at seed + i), interleaved prompt by prompt: within each repeat every row
+the same seeds (prompt i at seed + i in the first repeat, seed + 1000·r + i in repeat r), interleaved
+prompt by prompt: within each repeat every row
 decodes prompt i (with SSD rows: the --batch-size batch starting at i) before any row moves on, and
 the row that goes first rotates from one prompt to the next, across repeats too. A 2-core VM's speed
 drifts by 20-40% over tens of seconds; whole rows one after another each landed in their own speed
@@ -64,6 +65,13 @@ SUM_KEYS = ("new_tokens", "num_rounds", "target_forwards", "num_drafts", "num_dr
 # --profile: ms per round of each round phase (engine.metrics.ROUND_PHASES), then the decoding
 # time outside every round (the consumer between rounds, the final text decode).
 PROFILE_COLUMNS = ROUND_PHASES + ("between_rounds",)
+# Repeat r decodes prompt i at seed + SEED_STRIDE·r + i, every row of the repeat alike. One seed's text is
+# one draw of a method's acceptance: SpS's tokens a round at K = 3 on the default pair's 4 prompts ranged
+# 1.49-1.74 over eight seeds (mean 1.63), and the first seed gave 1.74. With one seed for every repeat,
+# a row whose text varies from run to run (SSD: its fills depend on timing) was compared with that one
+# lucky draw. So the statistics below are means over the repeats' texts.
+SEED_STRIDE = 1000
+STATISTIC_KEYS = ("mean_acceptance_length", "draft_acceptance_rate", "target_forwards_per_token", "mean_induced_kl")
 TIMED_KEYS = ("tokens_per_s", "decode_tokens_per_s", "overhead_fraction", "draft_ms_per_token",
               "verify_ms_per_round")
 SSD_PHASE_KEYS = tuple(f"round_{name}_ms" for name in SSD_PHASES)  # where an SSD round goes (ms a round)
@@ -511,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
                 first = (rep * len(starts) + u) % len(order)  # who goes first rotates, across repeats too
                 for m, k, wd in order[first:] + order[:first]:
                     with where(m):
-                        built[m, k, wd].add(prompts[start:start + step], start)
+                        built[m, k, wd].add(prompts[start:start + step], start + SEED_STRIDE * rep)
             for (m, k, wd), label in labels.items():
                 with where(m):  # a row's devices column reads the cores it ran on
                     runs[m, k, wd].append(built[m, k, wd].result())
@@ -528,6 +536,10 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         for key in TIMED_KEYS + (SSD_KEYS if m == SSD_METHOD else ()):
             values = [r[key] for r in reps if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
+        for key in STATISTIC_KEYS:  # one draw per repeat's seeds: their mean
+            values = [r[key] for r in reps if r.get(key) is not None]
+            row[key] = statistics.fmean(values) if values else None
+        row["mean_acceptance_length_runs"] = [r["mean_acceptance_length"] for r in reps]
         if "profile_ms_per_round" in row:
             row["profile_ms_per_round"] = {phase: statistics.median(r["profile_ms_per_round"][phase] for r in reps)
                                            for phase in PROFILE_COLUMNS}

@@ -196,6 +196,38 @@ def test_interleaving_rows_prompt_by_prompt_gives_each_row_its_own_tokens(tiny_p
     assert bench.run_engine(tiny_pair, "sps", prompts, cfg, "model", False)["new_tokens"] == rows["sps"]["new_tokens"]
 
 
+def test_each_repeat_decodes_its_own_seeds_and_the_statistics_are_their_mean(tiny_pair, tmp_path, monkeypatch):
+    """Repeat r decodes prompt i at seed + 1000 r + i for every row alike, so a row's acceptance is the
+    mean over several texts, not the first seed's draw, and each repeat's value is kept."""
+    from dataclasses import replace
+
+    from engine.cli import spec_config_from_args
+    from engine.prompts import held_out_prompts
+
+    fed = []
+
+    def logged(self, prompts, start, add=bench.EngineRow.add):
+        fed.append(start)
+        add(self, prompts, start)
+
+    monkeypatch.setattr(bench.EngineRow, "add", logged)
+    argv = ["--pair", "tiny", "--methods", "sps", "--peers", "", "--prompts", "2", "--repeats", "2",
+            "--max-new-tokens", "12", "--k", "2", "--json", str(tmp_path / "rows.json")]
+    bench.main(argv)
+    assert fed == [0, 0, 1, 1000, 1001]  # the untimed warm-up, then each repeat's seeds
+    row = json.loads((tmp_path / "rows.json").read_text())[0]
+    cfg = replace(spec_config_from_args(bench.parse_args(argv), k=2), num_speculative_tokens=2)
+    prompts = [tiny_pair.encode_prompt(p) for p in held_out_prompts(2)]
+    runs = []
+    for rep in range(2):
+        alone = bench.EngineRow(tiny_pair, "sps", cfg, "model", False)
+        alone.begin()
+        alone.add(prompts, bench.SEED_STRIDE * rep)
+        runs.append(alone.result()["mean_acceptance_length"])
+    assert row["mean_acceptance_length_runs"] == runs
+    assert row["mean_acceptance_length"] == pytest.approx(sum(runs) / 2)
+
+
 def test_speedup_vs_ar_is_the_median_of_per_repeat_ratios(tmp_path, capsys):
     out = tmp_path / "rows.json"
     bench.main(["--pair", "tiny", "--methods", "ar,sps", "--peers", "hf-ar", "--prompts", "1", "--repeats", "3",
