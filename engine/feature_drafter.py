@@ -145,7 +145,7 @@ class FeatureDrafter(Drafter):
             tokens += drawn
             ids.append(token_ids)
             rows.append(probs)
-            feed = (drawn, None)  # the next entry: the token just drawn, after f̂ of the one it was drawn from
+            feed = (drawn, self._known_feature())
         if ids[0] is None:
             return Proposal(tokens, _joined(rows))
         return Proposal(tokens, support=(_joined(ids), _joined(rows)), vocab_size=self.vocab_size)
@@ -274,8 +274,15 @@ class FeatureDrafter(Drafter):
             self.lm.book_forward(len(fed), start)
             self._entries.extend(fed)  # ints: context slices or the token just drawn
             tokens.append(token)
-            feed = ([token], None)  # the next entry: the token just drawn, after f̂ of the one it was drawn from
+            feed = ([token], self._known_feature())
         return Proposal(tokens, rows=rows, vocab_size=self.vocab_size)
+
+    def _known_feature(self) -> int | None:
+        """The input feature of the next entry (the token just drawn): the target's own f of the entry
+        before it where the target has computed that (the first draw after a prefill, which ran the
+        prompt's last token), else None, the f̂ of the entry it was drawn from."""
+        before = len(self._entries)  # entry i holds position i + 1: the next one reads f at row `before`
+        return before if before < self._num_features else None
 
     @torch.inference_mode()
     def _feed(self, tokens: Sequence[int], features: torch.Tensor) -> torch.Tensor:

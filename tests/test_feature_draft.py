@@ -91,6 +91,28 @@ def test_incremental_state_matches_a_fresh_drafter(feature_pair, backend):
         torch.testing.assert_close(pa.probs, pb.probs, rtol=1e-4, atol=1e-6)
 
 
+def test_k_tokens_in_one_call_are_k_calls_of_one_token_right_after_a_prefill(feature_pair, backend):
+    """How a draft is cut into calls does not change it. After a prefill the target has computed the
+    feature of the context's last token, so the first drawn token's entry reads that feature, not the
+    draft's prediction of it, whether the next token is drafted in the same call or in a later one."""
+    prompt = feature_pair.encode_prompt("a feature draft test")
+    feats = _features(feature_pair, backend, prompt)  # every prompt position, as a prefill leaves them
+    params = SamplingParams(temperature=0.9)
+    u = torch.rand(3)
+
+    def drafter():
+        d = feature_pair.make_drafter("model", backend)
+        d.start()
+        d.observe_target(0, feats)
+        return d
+
+    whole = drafter().propose(prompt, 3, params, u)
+    for i in range(3):
+        step = drafter().propose(prompt + whole.tokens[:i], 1, params, u[i:i + 1])
+        assert step.tokens == whole.tokens[i:i + 1]
+        torch.testing.assert_close(step.probs[0], whole.probs[i], rtol=1e-4, atol=1e-6)
+
+
 def test_reduced_head_gives_zero_probability_outside_its_vocabulary(feature_pair):
     drafter = feature_pair.make_drafter("model")
     tokens = feature_pair.encode_prompt("zero mass outside")
