@@ -351,7 +351,18 @@ def _cache_hover(r) -> str:
         _key_text(lookup, r.lookup_texts[0] if r.lookup_texts else str(lookup[1]))
     shown = ", ".join(_key_text(key, text) for key, text in zip(keys[:12], texts or map(str, (y for _, y in keys))))
     return (f"lookup {looked_up} in {len(keys)} keys, F={list(r.fanouts)}<br>"
-            f"keys: {shown}{'…' if len(keys) > 12 else ''}")
+            f"keys: {shown}{'…' if len(keys) > 12 else ''}{_first_token_note(r)}")
+
+
+def _first_token_note(r) -> str:
+    """A feature draft's hit redraws its first token from the real features (engine/ssd/worker.py): say
+    whether the cached one survived, since a replaced one ends the speculation at that one token."""
+    kept = r.first_kept[0] if r.first_kept else None
+    if kept is None:
+        return ""
+    if kept:
+        return f"<br>first token: the cached one, kept by the redraw (branch depth {r.cache_depth})"
+    return "<br>first token redrawn from the real features: the round serves that one token"
 
 
 def _key_text(key: tuple[int, int], text: str) -> str:

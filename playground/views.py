@@ -29,8 +29,8 @@ def status_line(run: RunState, reference: ARReference | None) -> str:
         parts.append(f"SSD cache hit rate {m['cache_hit_rate']:.0%}")
     if m.get("first_tokens_redrafted"):
         parts.append(f"each hit's first token redrafted from the target's real features, as SpS would draft it "
-                     f"(cached one kept in {m['first_token_kept_rate']:.0%} of {m['first_tokens_redrafted']}): "
-                     "a hit drafts as well as SpS but still costs that one draft step")
+                     f"(cached one kept in {m['first_token_kept_rate']:.0%} of {m['first_tokens_redrafted']}; "
+                     "a replaced one is served alone): a hit drafts as well as SpS but still costs that one draft step")
     if any(w.kind == "degraded" for w in run.worker_events):
         parts.append("⚠️ draft worker lost: finished synchronously")
     if run.start:

@@ -417,10 +417,15 @@ def test_the_ssd_cache_hover_shows_token_text_and_rounds_drafted_by_the_target()
     reduce(run, SSDRoundEvent(0, (0,), (False,), ("local",), (None,), ((),), (), (2,), (), None, None, None))
     reduce(run, SSDRoundEvent(1, (0,), (True,), ("cache",), ((1, 41234),), (((1, 41234), (0, 7)),), (2, 2), (2,), (),
                               1.0, None, None, cache_key_texts=((" river", "<b>"),), lookup_texts=(" river",)))
+    for i, kept in ((2, True), (3, False)):  # a feature draft's hits: the first token redrawn
+        reduce(run, SSDRoundEvent(i, (0,), (True,), ("cache",), ((0, 7),), (((0, 7),),), (2, 2), (2,), (),
+                                  1.0, None, None, cache_depth=2, first_kept=(kept,)))
     hover = ssd_cache_hits(run).to_plotly_json()["data"][0]["text"]
     assert hover[0] == "drafted in the target process (no cache lookup)"
     assert "lookup k=1 &#x27; river&#x27; in 2 keys" in hover[1] and "k=0 &#x27;&lt;b&gt;&#x27;" in hover[1]
-    assert "41234" not in hover[1]
+    assert "41234" not in hover[1] and "first token" not in hover[1]
+    assert hover[2].endswith("first token: the cached one, kept by the redraw (branch depth 2)")
+    assert hover[3].endswith("first token redrawn from the real features: the round serves that one token")
 
 def test_the_live_feed_carries_every_token_once_in_order_and_ends_with_the_run(tiny_pair):
     """What the page's live view is sent: the run's cells exactly (no gap, no repeat), a live line,
