@@ -1,10 +1,10 @@
 """`python -m engine.bench`: every number the project reports comes from here.
 
 All rows (method × K × weight format, the peers, SSD) run in one process on the same prompts with
-the same seeds (prompt i at seed + i in the first repeat, seed + 1000·r + i in repeat r), interleaved
-prompt by prompt: within each repeat every row
-decodes prompt i (with SSD rows: the --batch-size batch starting at i) before any row moves on, and
-the row that goes first rotates from one prompt to the next, across repeats too. A 2-core VM's speed
+the same seeds (prompt i at seed + 1000·r + i in repeat r), interleaved prompt by prompt: within each
+repeat every row decodes prompt i (with SSD rows: the --batch-size batch starting at i) before any
+row moves on, and the row that goes first rotates from one prompt to the next, across repeats too
+(acceptance columns are means over the repeats' seeds, see SEED_STRIDE). A 2-core VM's speed
 drifts by 20-40% over tens of seconds; whole rows one after another each landed in their own speed
 window, while prompt by prompt drift hits every row alike. Each row is built once (target, drafter,
 SSD worker, llama.cpp model) and, SSD aside (its caches learn online), decodes the first prompt once
