@@ -608,7 +608,10 @@ def ssd_against_sps(row: dict, reps: Sequence[dict], sps_reps: Sequence[dict]) -
     upper bound (ALGORITHMS.md §4.2) with every round a hit and as many tokens a round as SpS:
     1 + T_SD, SpS's draft time a round over its verification. A hit hides the draft and nothing else,
     so where drafting is a tenth of SpS's round no hit rate makes SSD 1.1x; the worker slowing the
-    verification it shares the machine with only lowers the bound further."""
+    verification it shares the machine with only lowers the bound further. It assumes SSD verifies
+    SpS's K rows: a hit that serves a shorter branch (a cut fill, a redrawn first token) verifies fewer,
+    and where each row costs more (AVX2: about 40 % a row) that alone can pass it at the same tokens a
+    round (session 35, K = 3: 13.0 against 15.9 ms a verification)."""
     sps = {key: statistics.median(r[key] for r in sps_reps if r.get(key) is not None)
            for key in ("draft_ms_per_token", "verify_ms_per_round") if any(r.get(key) is not None for r in sps_reps)}
     ratios = [r["tokens_per_s"] / base["tokens_per_s"] for r, base in zip(reps, sps_reps)]
