@@ -150,6 +150,8 @@ def _note(text: str) -> dict:
     return {"text": "<br>".join(textwrap.wrap(text, NOTE_WIDTH)), "showarrow": False, "x": 0, "y": 1.0,
             "xref": "paper", "yref": "paper", "xanchor": "left", "yanchor": "top", "align": "left",
             "bgcolor": "rgba(255,255,255,0.85)", "font": {"size": 10, "color": CHANGE_COLOUR}}
+
+
 INDUCED_COLOUR, DRAFT_COLOUR, CONSTRAINT_COLOUR = "#9467bd", "#7f7f7f", "#8c564b"
 
 
@@ -328,10 +330,9 @@ def ssd_cache_hits(state: RunState) -> go.Figure:
     m = state.finish.metrics if state.finish else {}
     last = rounds[-1]
     hit = f"{last.hit_rate:.0%}" if last.hit_rate is not None else "–"
-    per = "".join(f", {kind} {m[key]:.2f}" for kind, key in (("hit", "tokens_per_round_hit"),
-                                                               ("miss", "tokens_per_round_miss"))
-                  if m.get(key) is not None)
-    per = f"; tokens/round{per.removeprefix(',')}" if per else ""
+    per = [f"{kind} {m[key]:.2f}" for kind, key in (("hit", "tokens_per_round_hit"), ("miss", "tokens_per_round_miss"))
+           if m.get(key) is not None]
+    per = f"; tokens/round {', '.join(per)}" if per else ""
     notes = [f"{w.kind}: {w.message}" for w in state.worker_events if w.kind != "started"] or \
         [r.fill_note for r in rounds[-1:] if r.fill_note]
     annotations = [_note(notes[-1])] if notes else []
