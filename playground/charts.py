@@ -47,7 +47,7 @@ def figure(traces: Sequence[dict], title: str, x: str = "", y: str = "", *, shap
     })
 
 
-def _empty(title: str, message: str) -> go.Figure:
+def empty_chart(title: str, message: str) -> go.Figure:
     """A titled chart with a one-line hint (wrapped: Plotly does not wrap annotations, and half-width charts are narrow)."""
     return figure([], title, annotations=[{"text": "<br>".join(textwrap.wrap(message, HINT_WIDTH)), "showarrow": False, "x": 0.5, "y": 0.5, "xref": "paper",
                                            "yref": "paper", "font": {"size": 13, "color": "#666"}}],
@@ -87,7 +87,7 @@ def acceptance_per_position(state: RunState) -> go.Figure:
     """Per draft position: how often it was kept (after the first-rejection cut) and how often its own test passed."""
     rounds = [r for r in state.rounds[-MAX_ROUNDS:] if r.num_draft_tokens]
     if not rounds:
-        return _empty("Acceptance per draft position", "AR drafts nothing" if state.method == "ar"
+        return empty_chart("Acceptance per draft position", "AR drafts nothing" if state.method == "ar"
                       else "how often each draft position survives: deeper positions need every earlier one kept")
     width = max(r.num_draft_tokens for r in rounds)
     drafted = [sum(1 for r in rounds if r.num_draft_tokens > i) for i in range(width)]
@@ -109,7 +109,7 @@ def acceptance_histogram(state: RunState) -> go.Figure:
     """Rounds that accepted exactly j drafts (vLLM `acceptance_histogram`)."""
     rounds = [r for r in state.rounds if r.num_draft_tokens]
     if not rounds:
-        return _empty("Acceptance length", "AR drafts nothing" if state.method == "ar"
+        return empty_chart("Acceptance length", "AR drafts nothing" if state.method == "ar"
                       else "drafts accepted per round: more to the right = fewer target passes per token")
     counts = [0] * (max(r.num_draft_tokens for r in rounds) + 1)
     for r in rounds:
@@ -162,7 +162,7 @@ def divergence_budget(state: RunState) -> go.Figure:
     tokens = state.tokens[-MAX_TOKENS:]
     caption = DIVERGENCE_CAPTION.get(state.method, "")
     if not any(t.index in state.divergence for t in tokens):
-        return _empty("Divergence from the target", caption or
+        return empty_chart("Divergence from the target", caption or
                       "exact KL(induced ‖ T) at every position a rule tests a draft; AR tests none")
     x = [t.index for t in tokens]
     tested = [t for t in tokens if t.index in state.divergence]
@@ -224,7 +224,7 @@ def throughput(state: RunState, ar_baseline_tps: float | None, window: int = THR
     """Tokens/s over time (a moving window of rounds) with the measured AR baseline."""
     rounds = state.rounds[-MAX_ROUNDS:]
     if not rounds:
-        return _empty("Tokens/s over time", "speed as it runs, against your AR reference; live changes are marked")
+        return empty_chart("Tokens/s over time", "speed as it runs, against your AR reference; live changes are marked")
     points = throughput_points(rounds, window)
     xs, ys = [x for x, _ in points], [y for _, y in points]
     shapes, notes = change_marks(state, "time", rounds[0].elapsed_seconds - rounds[0].round_seconds)
@@ -297,7 +297,7 @@ def draft_verify_timeline(state: RunState) -> go.Figure:
         return ssd_timeline(state)
     rounds = state.rounds[-GANTT_ROUNDS:]
     if not rounds:
-        return _empty("Draft / verify timeline", "when the draft and the target ran: synchronous methods alternate")
+        return empty_chart("Draft / verify timeline", "when the draft and the target ran: synchronous methods alternate")
     traces = []
     for lane, colour, offset_of, seconds_of in (
         ("draft", "#17becf", lambda r: 0.0, lambda r: r.draft_seconds),
@@ -320,7 +320,7 @@ def ssd_cache_hits(state: RunState) -> go.Figure:
     contents (keys (k, y) and fan-out per depth) on hover."""
     rounds = state.ssd_rounds[-MAX_ROUNDS:]
     if not rounds:
-        return _empty("SSD cache hits per round", "SSD only: green = the draft guessed the outcome ahead (cache hit)")
+        return empty_chart("SSD cache hits per round", "SSD only: green = the draft guessed the outcome ahead (cache hit)")
     colours = {"cache": STATUS_COLOURS["accepted"], "sync": "#7f7f7f", "local": "#7f7f7f"}
     hover = [_cache_hover(r) for r in rounds]
     trace = {"type": "bar", "x": [r.round_index for r in rounds], "y": [r.num_emitted[0] for r in rounds],
@@ -375,7 +375,7 @@ def ssd_speedup(state: RunState) -> go.Figure:
     rounds = [r for r in state.ssd_rounds if r.theoretical_speedup is not None]
     if not rounds:
         local = state.ssd_rounds and all(s == "local" for r in state.ssd_rounds for s in r.sources)
-        return _empty("SSD speedup (Theorem 7)", "no cache lookups: every round was drafted in the target process "
+        return empty_chart("SSD speedup (Theorem 7)", "no cache lookups: every round was drafted in the target process "
                       "(the cache chart says why)" if local else "needs a few SSD rounds")
     x = [r.round_index for r in rounds]
     traces = [
@@ -403,7 +403,7 @@ def speedup_curve(state: RunState, ar_baseline_tps: float | None) -> go.Figure:
     """Theoretical speedup against α for this run's K and measured cost ratio c, with the measured point."""
     rounds = [r for r in state.rounds if r.num_draft_tokens]
     if not rounds:
-        return _empty("Speedup vs acceptance rate α", "theory for this K and draft cost, with this run's measured point")
+        return empty_chart("Speedup vs acceptance rate α", "theory for this K and draft cost, with this run's measured point")
     drafted = sum(r.num_draft_tokens for r in rounds)
     alpha = sum(r.num_accepted for r in rounds) / drafted
     k = rounds[-1].num_speculative_tokens or rounds[-1].num_draft_tokens
@@ -451,7 +451,7 @@ def pareto_figure(points: Sequence[dict], note: str = "") -> go.Figure:
     Point labels alternate above and below in order of divergence, so two points at nearly the same
     place (ε = 0.3 and ε = 0.09 often are) never print their labels on top of each other."""
     if not points:
-        return _empty("Acceptance vs divergence", note or "run a sweep: each finished point appears here")
+        return empty_chart("Acceptance vs divergence", note or "run a sweep: each finished point appears here")
     colours = {"cactus": "#2ca02c", "tas": "#ff7f0e", "sps": "#1f77b4"}
     order = sorted(range(len(points)), key=lambda i: (points[i]["divergence"], points[i]["mean_acceptance_length"]))
     side = {i: LABEL_SIDES[rank % 2] for rank, i in enumerate(order)}

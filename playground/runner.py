@@ -269,6 +269,11 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+COMPARE_COLUMNS = ("method", "new_tokens", "tokens_per_s", "x_ar", "mean_acceptance_length", "draft_acceptance_rate",
+                   "mean_induced_kl", "mean_draft_kl", "constraint_kl_total", "cache_hit_rate", "first_difference",
+                   "finish")
+
+
 def compare_table(runs: dict[str, RunState]) -> pd.DataFrame:
     """One row per method; `first_difference` is the first token index that differs from the first method,
     `x_ar` the speed against this comparison's own AR row (same prompt, settings and moment)."""
@@ -293,8 +298,7 @@ def compare_table(runs: dict[str, RunState]) -> pd.DataFrame:
             "first_difference": first_difference(reference, run.token_ids),
             "finish": run.finish.reason if run.finish else ("error: " + run.error if run.error else "running"),
         })
-    df = pd.DataFrame(rows)
-    return df.round(4) if not df.empty else df
+    return pd.DataFrame(rows, columns=COMPARE_COLUMNS).round(4)  # the headers stand before the first run too
 
 
 def tokens_csv(runs: dict[str, RunState]) -> str:
@@ -331,6 +335,16 @@ def sweep_points(delta_values: Sequence[float], epsilon_values: Sequence[float])
     points += [("cactus", f"δ={d:g}", {"delta": float(d)}) for d in delta_values]
     points += [("tas", f"ε={e:g}", {"posterior_threshold": float(e)}) for e in epsilon_values]
     return points
+
+
+SWEEP_COLUMNS = ("method", "label", "delta", "posterior_threshold", "mean_acceptance_length", "draft_acceptance_rate",
+                 "tokens_per_s", "divergence", "tested_positions")
+
+
+def sweep_table(results: Sequence[dict]) -> pd.DataFrame:
+    """The finished sweep points, one row each, in a fixed column order (headers before the first point).
+    A point sets only the knob it sweeps: δ for Cactus, ε for TAS, neither for SpS."""
+    return pd.DataFrame(list(results), columns=SWEEP_COLUMNS).round(4)
 
 
 def run_sweep(ctx: PlaygroundContext, cfg: SpecConfig, prompt_ids: Sequence[int],

@@ -17,6 +17,13 @@ from playground.views import token_view
 COMPARE_SLOTS = 5
 
 
+def slot_props(methods: list[str] | None, i: int) -> dict:
+    """Slot i's label and visibility for the checked methods: each shown slot is named by its method,
+    before any run too."""
+    methods = [m for m in (methods or []) if m in UI_METHODS]
+    return {"label": METHOD_LABELS[methods[i]], "visible": True} if i < len(methods) else {"visible": False}
+
+
 def build(page: Page) -> None:
     ctx, limits = page.ctx, page.limits
     start_k = min(ctx.pair.recommended_k(ctx.drafter_kind), limits.max_k)
@@ -48,9 +55,11 @@ def build(page: Page) -> None:
         compare_stop = gr.Button("Stop", variant="stop")
     c_status = gr.Markdown("", elem_id="c-status")
     with gr.Row():
-        slots = [token_view(f"slot {i + 1}", visible=i < 3, elem_id=f"c-slot-{i}")
-                 for i in range(COMPARE_SLOTS)]
-    c_table = gr.Dataframe(label="Summary (vLLM metric names)", interactive=False, elem_id="c-table")
+        slots = [token_view(**slot_props(c_methods.value, i), elem_id=f"c-slot-{i}") for i in range(COMPARE_SLOTS)]
+    c_table = gr.Dataframe(compare_table({}), label="Summary (vLLM metric names)", interactive=False,
+                           elem_id="c-table")
+    c_methods.change(lambda methods_v: [gr.HighlightedText(**slot_props(methods_v, i)) for i in range(COMPARE_SLOTS)],
+                     c_methods, slots, api_visibility="private", concurrency_limit=None, show_progress="hidden")
     with gr.Row():
         c_csv = gr.File(label="per-token data (CSV)", elem_id="c-csv")
         c_json = gr.File(label="run config (JSON)", elem_id="c-json")
@@ -68,15 +77,9 @@ def build(page: Page) -> None:
         session.job_stop = stop_event = threading.Event()
 
         def slot_updates(runs):
-            out = []
-            for i in range(COMPARE_SLOTS):
-                if i < len(methods_v):
-                    run = runs.get(methods_v[i])
-                    out.append(gr.HighlightedText(value=highlighted_tokens(run) if run else [],
-                                                  label=METHOD_LABELS[methods_v[i]], visible=True))
-                else:
-                    out.append(gr.HighlightedText(visible=False))
-            return out
+            shown = [methods_v[i] if i < len(methods_v) else None for i in range(COMPARE_SLOTS)]
+            return [gr.HighlightedText(value=highlighted_tokens(runs[m]) if m in runs else [], **slot_props(methods_v, i))
+                    for i, m in enumerate(shown)]
 
         runs = {}
         for current, _run, runs in run_compare(ctx, methods_v, cfg, prompt_ids, stop_event):

@@ -10,6 +10,7 @@ import time
 
 import gradio as gr
 
+from playground import charts
 from playground.limits import METHOD_LABELS, UI_METHODS
 from playground.page import ENGINE_QUEUE, HANG_GUARD_SECONDS, Page
 from playground.presets import PRESETS
@@ -63,7 +64,9 @@ def build(page: Page, tabs: gr.Tabs, generate: dict[str, gr.components.Component
             l_explain = gr.Markdown("Press Start.", elem_id="learn-explain")
             l_divergence = gr.Markdown(elem_id="learn-divergence")
         with gr.Column(scale=2):
-            l_plot = gr.Plot(show_label=False, elem_id="learn-plot")
+            l_plot = gr.Plot(charts.empty_chart("One round, stage by stage", "press Start: each step draws one stage: "
+                                                + " → ".join(STAGES)),
+                             show_label=False, elem_id="learn-plot")
 
     preset.change(apply_preset, [preset], [l_prompt, l_method, l_k, l_delta, l_temp, l_look_for],
                   api_visibility="private", concurrency_limit=None, show_progress="hidden")

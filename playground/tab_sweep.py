@@ -5,12 +5,11 @@ from __future__ import annotations
 import threading
 
 import gradio as gr
-import pandas as pd
 
 from playground import charts
 from playground.limits import build_config
 from playground.page import ENGINE_QUEUE, Page
-from playground.runner import run_sweep, sweep_points
+from playground.runner import run_sweep, sweep_points, sweep_table
 
 
 def build(page: Page) -> None:
@@ -42,7 +41,7 @@ def build(page: Page) -> None:
         sweep_stop = gr.Button("Stop", variant="stop")
     s_status = gr.Markdown("Press **Run sweep**.")
     s_plot = gr.Plot(charts.pareto_figure([]), elem_id="sweep-plot", show_label=False)
-    s_table = gr.Dataframe(label="Sweep points", interactive=False)
+    s_table = gr.Dataframe(sweep_table([]), label="Sweep points", interactive=False, elem_id="sweep-table")
 
     def parse_values(text: str, label: str, lo: float, hi: float) -> list[float]:
         try:
@@ -70,7 +69,7 @@ def build(page: Page) -> None:
         session.job_stop.set()
         session.job_stop = stop_event = threading.Event()
         for results, note in run_sweep(ctx, cfg, prompt_ids, points, stop_event):
-            table = pd.DataFrame(results).round(4) if results else gr.skip()
+            table = sweep_table(results) if results else gr.skip()
             yield charts.pareto_figure(results, note), table, f"**Sweep:** {note}"
 
     sweep_btn.click(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
 import time
@@ -13,11 +14,11 @@ from engine.decoding import generate
 from engine.peers.vllm_peer import plugin_env
 from playground import charts
 from playground.inspector import inspect_figure, inspect_markdown
-from playground.limits import Limits, build_config, inspector_width
+from playground.limits import METHOD_LABELS, Limits, build_config, inspector_width
 from playground.runner import (
-    AR_REFERENCE_RUNS, AR_REFERENCE_TOKENS, ARReference, PlaygroundContext, add_ar_run, ar_reference_config,
-    compare_table, run_compare, run_sweep, start_run, start_session_run, stream_run, sweep_points, tokens_csv,
-    wants_ar_reference_run,
+    AR_REFERENCE_RUNS, AR_REFERENCE_TOKENS, COMPARE_COLUMNS, SWEEP_COLUMNS, ARReference, PlaygroundContext, add_ar_run,
+    ar_reference_config, compare_table, run_compare, run_sweep, start_run, start_session_run, stream_run, sweep_points,
+    sweep_table, tokens_csv, wants_ar_reference_run,
 )
 from playground.session import Session, SessionStore, apply_live_change
 from playground.state import RunState, highlighted_tokens, reduce, summary
@@ -600,6 +601,30 @@ def test_the_learn_tab_starts_on_its_first_preset_with_no_page_load_event_to_ove
     assert prompt["props"].get("value") == next(iter(PRESETS.values())).prompt
     loads = [d for d in config["dependencies"] if any(t[1] == "load" for t in d["targets"])]
     assert all(prompt["id"] not in d["outputs"] for d in loads)
+
+
+def test_every_tab_names_its_tables_and_charts_before_any_run(tiny_pair):
+    """Compare's and Sweep's tables show their column names, Compare's token views the checked
+    methods, and Learn's chart a title with a hint, before anyone runs anything (they read "1 2 3",
+    "slot 1" and an empty box)."""
+    from playground.app import build_demo
+
+    props = {c["props"].get("elem_id"): c["props"] for c in build_demo(PlaygroundContext("tiny", tiny_pair)).config["components"]}
+    assert props["c-table"]["value"]["headers"] == list(COMPARE_COLUMNS)
+    assert props["sweep-table"]["value"]["headers"] == list(SWEEP_COLUMNS)
+    checked = props["c-methods"]["value"]
+    assert [props[f"c-slot-{i}"]["label"] for i in range(len(checked))] == [METHOD_LABELS[m] for m in checked]
+    assert props[f"c-slot-{len(checked)}"]["visible"] is False
+    learn = json.loads(props["learn-plot"]["value"]["plot"])["layout"]
+    assert learn["title"]["text"] and "Start" in learn["annotations"][0]["text"]
+
+
+def test_the_sweep_table_keeps_one_column_order_whichever_knob_a_point_sets():
+    points = [{"method": "tas", "label": "ε=0.3", "posterior_threshold": 0.3, "divergence": 0.2},
+              {"method": "cactus", "label": "δ=1", "delta": 1.0, "divergence": 0.1}]
+    table = sweep_table(points)
+    assert list(table.columns) == list(SWEEP_COLUMNS)
+    assert table["delta"].isna().tolist() == [True, False] and table["posterior_threshold"].tolist()[0] == 0.3
 
 
 def test_a_page_asks_for_one_ar_reference_run_before_its_first_speculative_run():
