@@ -43,6 +43,7 @@ import pandas as pd
 import torch
 from transformers import GenerationConfig
 
+from engine.busy_core import competitor
 from engine.cli import add_spec_arguments, spec_config_from_args
 from engine.config import DECODE_METHODS, SSD_BACKUPS, SSD_FANOUT_MODES, SpecConfig
 from engine.decoding import describe_device, generate
@@ -442,6 +443,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="timing columns are medians over repeats")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    ap.add_argument("--competitor", type=float, default=0.0,
+                    help="run the timed repeats beside a process that keeps this share of a core busy "
+                    "(engine.busy_core: spinning that share of every 8 ms), as a browser or a neighbour would")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     ap.add_argument("--json", help="write the rows as JSON to this file")
     ap.add_argument("--profile", action="store_true",
@@ -464,6 +468,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
             raise SystemExit(f"unknown peer {m!r}; expected one of {', '.join(PEER_METHODS)}")
     if args.prompts < 1 or args.repeats < 1 or args.batch_size < 1:
         raise SystemExit("--prompts, --repeats and --batch-size must be >= 1")
+    if not 0 <= args.competitor <= 1:
+        raise SystemExit(f"--competitor is a share of one core, in [0, 1]; got {args.competitor}")
     if args.threads:
         torch.set_num_threads(args.threads)
     # Every K of the sweep is checked before any model loads; without --k the pair's recommended K
@@ -512,19 +518,21 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
                 if m != SSD_METHOD:
                     row.begin()
                     row.add(prompts[:1], 0)
-        for rep in range(args.repeats):
-            for key in order:
-                built[key].begin()
-            for u, start in enumerate(starts):
-                first = (rep * len(starts) + u) % len(order)  # who goes first rotates, across repeats too
-                for m, k, wd in order[first:] + order[:first]:
-                    with where(m):
-                        built[m, k, wd].add(prompts[start:start + step], start + SEED_STRIDE * rep)
-            for (m, k, wd), label in labels.items():
-                with where(m):  # a row's devices column reads the cores it ran on
-                    runs[m, k, wd].append(built[m, k, wd].result())
-                tps = runs[m, k, wd][-1]["tokens_per_s"]
-                print(f"[bench] repeat {rep + 1}/{args.repeats} {label}: {tps:.2f} tok/s", file=sys.stderr, flush=True)
+        with competitor(args.competitor):
+            for rep in range(args.repeats):
+                for key in order:
+                    built[key].begin()
+                for u, start in enumerate(starts):
+                    first = (rep * len(starts) + u) % len(order)  # who goes first rotates, across repeats too
+                    for m, k, wd in order[first:] + order[:first]:
+                        with where(m):
+                            built[m, k, wd].add(prompts[start:start + step], start + SEED_STRIDE * rep)
+                for (m, k, wd), label in labels.items():
+                    with where(m):  # a row's devices column reads the cores it ran on
+                        runs[m, k, wd].append(built[m, k, wd].result())
+                    tps = runs[m, k, wd][-1]["tokens_per_s"]
+                    print(f"[bench] repeat {rep + 1}/{args.repeats} {label}: {tps:.2f} tok/s", file=sys.stderr,
+                          flush=True)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
     finally:
@@ -548,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
                    drafter="-" if m in UNDRAFTED else args.drafter,
                    k=None if m in UNDRAFTED else k, delta=args.delta if m == "cactus" else None,
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, prompts=args.prompts,
-                   repeats=args.repeats, threads=torch.get_num_threads(),
+                   repeats=args.repeats, threads=torch.get_num_threads(), competitor=args.competitor,
                    tokens_per_s_runs=[r["tokens_per_s"] for r in reps])
         # Each row against AR in the same repeat and weight format (peers run in the first format only).
         ar_reps = runs.get(("ar", ks[0], wd))
