@@ -8,7 +8,7 @@ regions. `python -m engine.bench --competitor 0.5` measures that reproducibly: f
 part, a process spins for `duty` of every 8 ms and sleeps for the rest, on whichever core the OS
 gives it (as a browser would).
 
-Run alone (`python -m engine.busy_core DUTY`) it spins until it is killed.
+Run alone (`python engine/busy_core.py DUTY`) it spins until it is killed.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def competitor(duty: float) -> Iterator[None]:
     if duty == 0:
         yield
         return
-    proc = subprocess.Popen([sys.executable, "-m", "engine.busy_core", str(duty)])
+    # This file as a script, not `-m engine.busy_core`: the package's import (torch) would take a
+    # whole core for a second or two of the first timed repeat.
+    proc = subprocess.Popen([sys.executable, __file__, str(duty)])
     try:
         yield
     finally:

@@ -11,7 +11,7 @@ from engine.busy_core import competitor
 
 
 def _spinners() -> set[int]:
-    """This process's children running engine.busy_core (from /proc: Linux, as the project is)."""
+    """This process's children running engine/busy_core.py (from /proc: Linux, as the project is)."""
     found = set()
     for proc in Path("/proc").glob("[0-9]*"):
         try:
@@ -19,7 +19,7 @@ def _spinners() -> set[int]:
             command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile
-        if parent == os.getpid() and "engine.busy_core" in command:
+        if parent == os.getpid() and "busy_core.py" in command:
             found.add(int(proc.name))
     return found
 
