@@ -199,37 +199,6 @@ static inline __attribute__((always_inline)) void channel_tile(
     for (int m = 0; m < rows; m++) y[m * N] = vsum(acc[m]);
 }
 
-// x [M, K] float32, q [N, K] int8, scales [N, K/32] float32, y [M, N] float32; K % 32 == 0.
-void q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scales,
-               int64_t N, float *y) {
-    const int64_t groups = K / GROUP;
-    int16_t *xq = malloc(M * K * sizeof(int16_t));
-    float *xs = malloc(M * groups * sizeof(float));
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * K, xs + m * groups, NULL);
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *qn = q + n * K;
-        const float *sn = scales + n * groups;
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_TILE) {
-            const int16_t *xm = xq + m0 * K;
-            const float *sm = xs + m0 * groups;
-            float *ym = y + m0 * N + n;
-            switch (M - m0 < MAX_TILE ? M - m0 : MAX_TILE) {
-                case 1: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 1); break;
-                case 2: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 2); break;
-                case 3: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 3); break;
-                case 4: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 4); break;
-                case 5: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 5); break;
-                case 6: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 6); break;
-                case 7: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 7); break;
-                default: channel_tile(xm, sm, K, qn, sn, groups, ym, N, 8); break;
-            }
-        }
-    }
-    free(xq);
-    free(xs);
-}
-
 // panel_linear: y[M, N] = x[M, K] @ W[N, K]^T for weights stored in panels of 16 output channels
 // (pack_panels / pack_blocks in cpu_kernels.py), in one of the panel formats
 //   PANEL_F16   fp16, k-major [k][16], widened by F16C;
@@ -515,58 +484,6 @@ static int panel_group(int64_t rows, int a16) {  // panels per tile for a tile o
 #endif
 }
 
-// x [M, K] float32, w: ceil(N/16) panels in `format`, y [M, N]. Each thread takes a contiguous run
-// of panels (an even split: the default target's 36-panel GEMMs would leave one thread a third
-// more work in whole tiles), cut into tiles; the rows are split evenly into tiles (9 -> 5 + 4).
-// The int16-activation formats quantize the rows first (one thread: a few microseconds).
-void panel_linear(const float *x, int64_t M, int64_t K, const void *w, int64_t N, float *y, int format) {
-    const int a16 = format == A16_Q4_1 || format == A16_Q8_0;
-    const int64_t panels = (N + PANEL - 1) / PANEL, stride = panel_bytes(format, K);
-    const int64_t tiles = (M + (a16 ? A16_TILE_ROWS : TILE_ROWS) - 1) / (a16 ? A16_TILE_ROWS : TILE_ROWS);
-    int16_t *xq = NULL;
-    float *xs = NULL, *xsum = NULL;
-    if (a16) {
-        xq = malloc(M * K * sizeof(int16_t));
-        xs = malloc(2 * M * (K / GROUP) * sizeof(float));
-        xsum = xs + M * (K / GROUP);
-        for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * K, xs + m * (K / GROUP), xsum + m * (K / GROUP));
-    }
-    const Rows16 x16 = {xq, xs, xsum, K};
-    #pragma omp parallel
-    {
-        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t first = panels * t / threads, last = panels * (t + 1) / threads;
-        const int group = panel_group((M + tiles - 1) / tiles, a16);  // for every tile: the largest has these rows
-        for (int64_t p0 = first; p0 < last; p0 += group) {
-            const int np = last - p0 < group ? (int)(last - p0) : group;
-            const int full = (p0 + np) * PANEL <= N;
-            const char *wp = (const char *)w + p0 * stride;
-            for (int64_t tile = 0, m0 = 0; tile < tiles; tile++) {  // later tiles find the weights in L2
-                const int rows = (int)((M - m0) / (tiles - tile));
-                float buf[TILE_ROWS * TILE_PANELS * PANEL];
-                float *out = full ? y + m0 * N + p0 * PANEL : buf;
-                const int64_t ldy = full ? N : np * PANEL;
-                const float *xm = x + m0 * K;
-                switch (format) {
-                    case PANEL_F32: panel_dispatch(xm, K, wp, stride, out, ldy, rows, np, PANEL_F32); break;
-                    case PANEL_BF16: panel_dispatch(xm, K, wp, stride, out, ldy, rows, np, PANEL_BF16); break;
-                    case PANEL_Q4_1: panel_dispatch(xm, K, wp, stride, out, ldy, rows, np, PANEL_Q4_1); break;
-                    case PANEL_Q8_0: panel_dispatch(xm, K, wp, stride, out, ldy, rows, np, PANEL_Q8_0); break;
-                    case A16_Q4_1: a16_dispatch(&x16, m0, wp, stride, out, ldy, rows, np, A16_Q4_1); break;
-                    case A16_Q8_0: a16_dispatch(&x16, m0, wp, stride, out, ldy, rows, np, A16_Q8_0); break;
-                    default: panel_dispatch(xm, K, wp, stride, out, ldy, rows, np, PANEL_F16); break;
-                }
-                if (!full)  // the last panel is zero-padded past N: keep its real channels only
-                    for (int m = 0; m < rows; m++)
-                        memcpy(y + (m0 + m) * N + p0 * PANEL, buf + m * ldy, (N - p0 * PANEL) * sizeof(float));
-                m0 += rows;
-            }
-        }
-    }
-    free(xq);
-    free(xs);
-}
-
 // linear_wide: the same products for prefills of the weights whose widening is worth amortising
 // over many rows (fp16, Q4_1, Q8_0 panels; int8). Each thread converts a block of 16 channels x 256 k
 // once into an fp32 [k][16] panel (the panel formats' own widening; or int8 x its group scale, then
@@ -657,44 +574,6 @@ static inline __attribute__((always_inline)) void wide_tile(const float *x, int6
         for (int i = 0; i < VPP; i++) vstore(y + m * N + i * VW, acc[m][i]);
 }
 
-#define WIDE_CASE(R) case R: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, R); break
-// x [M, K] float32, w (format 0: int8 [N, K] with scales [N, K/32]; else panels as panel_linear),
-// y [M, N]; K % 32 == 0. fp32 and bf16 panels need no conversion worth amortising, so they stay on
-// panel_linear (measured on Zen 1: 0.83-0.94x and 0.95-1.03x its speed at 30-120 rows), as do the
-// int16-activation formats (their integer products are their rounding: a float GEMM would differ)
-// and an N that is not a multiple of the panel width.
-void linear_wide(const float *x, int64_t M, int64_t K, const void *w, const float *scales, int format, int64_t N,
-                 float *y) {
-    if (N % PANEL || format == PANEL_F32 || format == PANEL_BF16 || format == A16_Q4_1 || format == A16_Q8_0) {
-        if (format == 0) q8_linear(x, M, K, w, scales, N, y);
-        else panel_linear(x, M, K, w, N, y, format);
-        return;
-    }
-    #pragma omp parallel
-    {
-        float *panel = aligned_alloc(64, PANEL_K * PANEL * sizeof(float));
-        #pragma omp for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
-            for (int64_t k0 = 0; k0 < K; k0 += PANEL_K) {
-                const int64_t kn = K - k0 < PANEL_K ? K - k0 : PANEL_K;
-                pack_panel(w, scales, format, K, n0, k0, kn, panel);
-                for (int64_t m0 = 0; m0 < M; m0 += WIDE_ROWS) {
-                    const float *xm = x + m0 * K + k0;
-                    float *ym = y + m0 * N + n0;
-                    switch (M - m0 < WIDE_ROWS ? M - m0 : WIDE_ROWS) {
-                        WIDE_CASE(1); WIDE_CASE(2); WIDE_CASE(3); WIDE_CASE(4); WIDE_CASE(5);
-#if VW == 16
-                        WIDE_CASE(6); WIDE_CASE(7); WIDE_CASE(8); WIDE_CASE(9); WIDE_CASE(10); WIDE_CASE(11);
-#endif
-                        default: wide_tile(xm, K, panel, kn, ym, N, k0 == 0, WIDE_ROWS); break;
-                    }
-                }
-            }
-        }
-        free(panel);
-    }
-}
-
 // ---- The glue between the GEMMs: each replaces several small torch ops (and their per-op cost). ----
 
 // x += y (y may be NULL), then out = x / rms(x) * w, for M rows of H (RMSNorm, Zhang & Sennrich 2019).
@@ -732,20 +611,15 @@ static inline vf vexp(vf x) {
     return vmul(y, vpow2(n));
 }
 
-// out[m, i] = silu(gate[m, i]) * up[m, i], with gate_up[m] = [gate | up] (the SwiGLU MLP's glue).
-void silu_mul(const float *gate_up, float *out, int64_t M, int64_t F) {
-    #pragma omp parallel for schedule(static) if (M * F >= 65536)
-    for (int64_t m = 0; m < M; m++) {
-        const float *g = gate_up + m * 2 * F, *u = g + F;
-        float *o = out + m * F;
-        int64_t i = 0;
-        for (; i + VW <= F; i += VW) {
-            const vf gv = vload(g + i);
-            const vf sig = vdiv(gv, vadd(vset(1.0f), vexp(vsub(vzero(), gv))));
-            vstore(o + i, vmul(sig, vload(u + i)));
-        }
-        for (; i < F; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+// out[i] = silu(gate[i]) * up[i] for one row of the SwiGLU MLP's glue.
+static void silu_row(const float *g, const float *u, float *o, int64_t F) {
+    int64_t i = 0;
+    for (; i + VW <= F; i += VW) {
+        const vf gv = vload(g + i);
+        const vf sig = vdiv(gv, vadd(vset(1.0f), vexp(vsub(vzero(), gv))));
+        vstore(o + i, vmul(sig, vload(u + i)));
     }
+    for (; i < F; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
 // Rotate interleaved (re, im) pairs by rope = [hd/2] (cos, sin) pairs: one complex multiply each.
@@ -817,45 +691,251 @@ static void attend_any(const float *q, const float *k, const float *v, const flo
     for (int64_t d = 0; d < hd; d++) o[d] /= total;
 }
 
-// Grouped-query attention for n new tokens whose K/V go to cache slots [slot, slot + n).
-// qkv [n, (heads + 2 kv_heads) * hd], q/k pairs interleaved and q pre-scaled (fast_llama._Layer);
-// rope [n, hd/2, 2]; caches [kv_heads, cap, hd]; mask [n, slot + n] additive, or NULL for causal
-// (query i sees keys 0..slot+i); out [n, heads * hd].
-void attention(const float *qkv, int64_t n, const float *rope, float *kc, float *vc, int64_t cap,
-               int64_t slot, const float *mask, int64_t heads, int64_t kv_heads, int64_t hd, float *out) {
-    const int64_t row = (heads + 2 * kv_heads) * hd, keys = slot + n, group = heads / kv_heads;
-    for (int64_t i = 0; i < n; i++) {
-        const float *qi = qkv + i * row, *ri = rope + i * hd;
-        for (int64_t h = 0; h < heads; h++) rotate(qi + h * hd, ri, out + i * heads * hd + h * hd, hd);
-        for (int64_t h = 0; h < kv_heads; h++) {
-            rotate(qi + (heads + h) * hd, ri, kc + (h * cap + slot + i) * hd, hd);
-            memcpy(vc + (h * cap + slot + i) * hd, qi + (heads + kv_heads + h) * hd, hd * sizeof(float));
-        }
-    }
-    // Always split heads across threads: even one query at a 20-token context runs faster on two
-    // threads than one (measured 0.24 vs 0.30 ms over the default target's 30 layers).
-    #pragma omp parallel
-    {
-        float *s = malloc(keys * sizeof(float)), *q = malloc(hd * sizeof(float));
-        #pragma omp for collapse(2) schedule(static)
-        for (int64_t h = 0; h < heads; h++) {
-            for (int64_t i = 0; i < n; i++) {
-                float *o = out + i * heads * hd + h * hd;
-                const float *k = kc + (h / group) * cap * hd, *v = vc + (h / group) * cap * hd;
-                const float *mi = mask ? mask + i * keys : NULL;
-                const int64_t limit = mask ? keys : slot + i + 1;
-                memcpy(q, o, hd * sizeof(float));  // o holds the rotated query until it is overwritten
-                if (hd == 64) attend(q, k, v, mi, limit, s, o, 64 / VW);
-                else if (hd == 128) attend(q, k, v, mi, limit, s, o, 128 / VW);
-                else attend_any(q, k, v, mi, limit, hd, s, o);
-            }
-        }
-        free(s);
-        free(q);
+// ---- The kernels as phases of a job (work_pool.h): items any thread may compute, and publish. ----
+
+// Where a phase's items also write their rows quantized (quantize_row) for the GEMM that reads them
+// next (int8 weights and the int16-activation formats take int16 rows); q NULL: nowhere.
+typedef struct { int16_t *q; float *scale, *sum; } Quantized;
+
+typedef struct {  // y [M, N] = x [M, K] @ W[N, K]^T; an item is a run of `per` panels of 16 channels
+    int format, wide, group;  // group: panels a tile spans
+    int64_t M, K, N, stride, tiles;
+    const float *x;  // float rows (panel formats, and every `wide` GEMM)
+    Rows16 x16;      // int16 rows (int8 and the int16-activation formats)
+    const void *w;
+    const float *scales;
+    float *y;
+    // The qkv GEMM (rope not NULL): y is not written; rows go to q [M, heads hd] rotated, to the
+    // caches' slots [slot, slot + M) as k rotated and v (fast_llama._Layer: q, k pairs interleaved).
+    const float *rope;  // [M, hd] (hd/2 cos, sin pairs a row)
+    float *q, *kc, *vc;
+    int64_t cap, slot, heads, kv_heads, hd;
+} GemmPhase;
+
+enum { ROWS_NORM, ROWS_SILU, ROWS_QUANT };
+typedef struct {  // an item is a run of `per` rows
+    int op;  // ROWS_NORM: x (+= y), h = rmsnorm(x) w (also to out); ROWS_SILU: h = silu(gate) up, zero-padded;
+             // ROWS_QUANT: x's rows into hq only
+    int64_t width, inner;  // h's row width; SILU: the MLP width (x rows are [gate | up], 2 inner)
+    float *x, *h, *out;
+    const float *y, *w;
+    float eps;
+    Quantized hq;
+} RowsPhase;
+
+typedef struct {  // softmax(q k^T + mask) v; an item is a run of `per` (head, query) pairs, head-major
+    const float *q, *kc, *vc, *mask;  // q [n, heads hd]; caches [kv_heads, cap, hd]; mask [n, slot + n] or NULL
+    int64_t cap, slot, n, heads, group, hd;
+    float *out;  // [n, heads hd]
+    Quantized oq;
+} AttentionPhase;
+
+enum { PHASE_GEMM, PHASE_ROWS, PHASE_ATTENTION };
+typedef struct Phase {
+    int kind;
+    int64_t items, per, units;  // items of `per` units (panels, rows, (head, query) pairs) out of `units`
+    union { GemmPhase gemm; RowsPhase rows; AttentionPhase attn; };
+} Phase;
+
+#include "work_pool.h"
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t up16(int64_t floats) { return (floats + 15) / 16 * 16; }  // whole 64-byte lines
+static inline int64_t quantized_floats(int64_t width) { return width / 2 + 2 * (width / GROUP); }
+static inline int64_t row_floats(int64_t width) { return up16(2 * width) + up16(quantized_floats(width)); }
+
+// Quantize v [width] into the layout `row_floats` leaves after 2 width floats: int16 q, scales, sums.
+static void quantize_into(const float *v, int64_t width, float *at) {
+    quantize_row(v, width, (int16_t *)at, at + width / 2, at + width / 2 + width / GROUP);
+}
+static void publish_quantized(const Quantized *t, int64_t row, int64_t col, int64_t ld, int64_t width, const float *at) {
+    memcpy(t->q + row * ld + col, at, width * sizeof(int16_t));
+    memcpy(t->scale + (row * ld + col) / GROUP, at + width / 2, width / GROUP * sizeof(float));
+    memcpy(t->sum + (row * ld + col) / GROUP, at + width / 2 + width / GROUP, width / GROUP * sizeof(float));
+}
+
+static int64_t phase_result_floats(const Phase *p) {
+    switch (p->kind) {
+        case PHASE_GEMM: return p->gemm.M * p->per * PANEL;
+        case PHASE_ROWS: return p->per * row_floats(p->rows.width);
+        default: return p->per * row_floats(p->attn.hd);
     }
 }
 
-// ---- The whole decoder stack in one call: no Python (or ctypes, or thread wake-up) between ops. ----
+#define WIDE_CASE(R) case R: wide_tile(xm, g->K, panel, kn, ym, ld, k0 == 0, R); break
+// Channels [16 p0, 16 p1) of every row into r [M, 16 (p1 - p0)].
+static void gemm_run(const GemmPhase *g, int64_t p0, int64_t p1, float *r, Own *own) {
+    const int64_t ld = (p1 - p0) * PANEL, K = g->K, groups = K / GROUP;
+    if (g->wide) {
+        float *panel = buffer_at_least(&own->panel, PANEL_K * PANEL);
+        for (int64_t pn = p0; pn < p1; pn++)
+            for (int64_t k0 = 0; k0 < K; k0 += PANEL_K) {
+                const int64_t kn = min64(K - k0, PANEL_K);
+                pack_panel(g->w, g->scales, g->format, K, pn * PANEL, k0, kn, panel);
+                for (int64_t m0 = 0; m0 < g->M; m0 += WIDE_ROWS) {
+                    const float *xm = g->x + m0 * K + k0;
+                    float *ym = r + m0 * ld + (pn - p0) * PANEL;
+                    switch (min64(g->M - m0, WIDE_ROWS)) {
+                        WIDE_CASE(1); WIDE_CASE(2); WIDE_CASE(3); WIDE_CASE(4); WIDE_CASE(5);
+#if VW == 16
+                        WIDE_CASE(6); WIDE_CASE(7); WIDE_CASE(8); WIDE_CASE(9); WIDE_CASE(10); WIDE_CASE(11);
+#endif
+                        default: wide_tile(xm, K, panel, kn, ym, ld, k0 == 0, WIDE_ROWS); break;
+                    }
+                }
+            }
+        return;
+    }
+    if (g->format == 0) {  // int8 rows: one channel at a time against MAX_TILE rows
+        for (int64_t n = p0 * PANEL; n < min64(p1 * PANEL, g->N); n++) {
+            const int8_t *qn = (const int8_t *)g->w + n * K;
+            const float *sn = g->scales + n * groups;
+            for (int64_t m0 = 0; m0 < g->M; m0 += MAX_TILE) {
+                const int16_t *xm = g->x16.q + m0 * K;
+                const float *sm = g->x16.scale + m0 * groups;
+                float *ym = r + m0 * ld + n - p0 * PANEL;
+                switch (min64(g->M - m0, MAX_TILE)) {
+                    case 1: channel_tile(xm, sm, K, qn, sn, groups, ym, ld, 1); break;
+                    case 2: channel_tile(xm, sm, K, qn, sn, groups, ym, ld, 2); break;
+                    case 3: channel_tile(xm, sm, K, qn, sn, groups, ym, ld, 3); break;
+                    case 4: channel_tile(xm, sm, K, qn, sn, groups, ym, ld, 4); break;
+                    case 5: channel_tile(xm, sm, K, qn, sn, groups, ym, ld, 5); break;
+                    case 6: channel_tile(xm, sm, K, qn, sn, groups, ym, ld, 6); break;
+                    case 7: channel_tile(xm, sm, K, qn, sn, groups, ym, ld, 7); break;
+                    default: channel_tile(xm, sm, K, qn, sn, groups, ym, ld, 8); break;
+                }
+            }
+        }
+        return;
+    }
+    for (int64_t q0 = p0; q0 < p1; q0 += g->group) {  // tiles of `group` panels; later row tiles find them in L2
+        const int np = (int)min64(g->group, p1 - q0);
+        const char *wp = (const char *)g->w + q0 * g->stride;
+        for (int64_t tile = 0, m0 = 0; tile < g->tiles; tile++) {
+            const int rows = (int)((g->M - m0) / (g->tiles - tile));
+            float *out = r + m0 * ld + (q0 - p0) * PANEL;
+            const float *xm = g->x + m0 * K;
+            switch (g->format) {
+                case PANEL_F32: panel_dispatch(xm, K, wp, g->stride, out, ld, rows, np, PANEL_F32); break;
+                case PANEL_BF16: panel_dispatch(xm, K, wp, g->stride, out, ld, rows, np, PANEL_BF16); break;
+                case PANEL_Q4_1: panel_dispatch(xm, K, wp, g->stride, out, ld, rows, np, PANEL_Q4_1); break;
+                case PANEL_Q8_0: panel_dispatch(xm, K, wp, g->stride, out, ld, rows, np, PANEL_Q8_0); break;
+                case A16_Q4_1: a16_dispatch(&g->x16, m0, wp, g->stride, out, ld, rows, np, A16_Q4_1); break;
+                case A16_Q8_0: a16_dispatch(&g->x16, m0, wp, g->stride, out, ld, rows, np, A16_Q8_0); break;
+                default: panel_dispatch(xm, K, wp, g->stride, out, ld, rows, np, PANEL_F16); break;
+            }
+            m0 += rows;
+        }
+    }
+}
+
+static void gemm_commit(const GemmPhase *g, int64_t p0, int64_t p1, const float *r) {
+    const int64_t ld = (p1 - p0) * PANEL, c0 = p0 * PANEL, c1 = min64(p1 * PANEL, g->N);
+    const int64_t hd = g->hd, A = g->heads * hd, KV = g->kv_heads * hd;
+    for (int64_t m = 0; m < g->M; m++) {
+        const float *rm = r + m * ld;
+        if (g->rope == NULL) {
+            memcpy(g->y + m * g->N + c0, rm, (c1 - c0) * sizeof(float));
+            continue;
+        }
+        for (int64_t c = c0; c < c1;) {  // runs within one head: q, then k, then v heads
+            const int64_t d = c % hd, run = min64(c1 - c, hd - d);
+            const float *src = rm + c - c0, *rope = g->rope + m * hd + d;
+            if (c < A) rotate(src, rope, g->q + m * A + c, run);
+            else if (c < A + KV) rotate(src, rope, g->kc + (((c - A) / hd) * g->cap + g->slot + m) * hd + d, run);
+            else memcpy(g->vc + (((c - A - KV) / hd) * g->cap + g->slot + m) * hd + d, src, run * sizeof(float));
+            c += run;
+        }
+    }
+}
+
+static void rows_run(const RowsPhase *p, int64_t i0, int64_t i1, float *r) {
+    const int64_t W = p->width, at = up16(2 * W);
+    for (int64_t i = i0; i < i1; i++, r += row_floats(W)) {
+        float *h = r + W;
+        if (p->op == ROWS_QUANT) {
+            quantize_into(p->x + i * W, W, r + at);
+            continue;
+        }
+        if (p->op == ROWS_NORM) {
+            memcpy(r, p->x + i * W, W * sizeof(float));
+            add_rms_norm(r, p->y ? p->y + i * W : NULL, p->w, p->eps, h, 1, W);
+        } else {
+            const float *gate = p->x + i * 2 * p->inner;
+            silu_row(gate, gate + p->inner, h, p->inner);
+            memset(h + p->inner, 0, (W - p->inner) * sizeof(float));
+        }
+        if (p->hq.q) quantize_into(h, W, r + at);
+    }
+}
+
+static void rows_commit(const RowsPhase *p, int64_t i0, int64_t i1, const float *r) {
+    const int64_t W = p->width, at = up16(2 * W);
+    for (int64_t i = i0; i < i1; i++, r += row_floats(W)) {
+        if (p->op == ROWS_NORM && p->y) memcpy(p->x + i * W, r, W * sizeof(float));
+        if (p->h) memcpy(p->h + i * W, r + W, W * sizeof(float));
+        if (p->out) memcpy(p->out + i * W, r + W, W * sizeof(float));
+        if (p->hq.q) publish_quantized(&p->hq, i, 0, W, W, r + at);
+    }
+}
+
+static void attention_run(const AttentionPhase *a, int64_t u0, int64_t u1, float *r, Own *own) {
+    const int64_t hd = a->hd, A = a->heads * hd, keys = a->slot + a->n, at = up16(2 * hd);
+    float *s = buffer_at_least(&own->scores, keys);
+    for (int64_t u = u0; u < u1; u++, r += row_floats(hd)) {
+        const int64_t h = u / a->n, i = u % a->n;
+        const float *k = a->kc + (h / a->group) * a->cap * hd, *v = a->vc + (h / a->group) * a->cap * hd;
+        const float *q = a->q + i * A + h * hd, *mi = a->mask ? a->mask + i * keys : NULL;
+        const int64_t limit = a->mask ? keys : a->slot + i + 1;
+        if (hd == 64) attend(q, k, v, mi, limit, s, r, 64 / VW);
+        else if (hd == 128) attend(q, k, v, mi, limit, s, r, 128 / VW);
+        else attend_any(q, k, v, mi, limit, hd, s, r);
+        if (a->oq.q) quantize_into(r, hd, r + at);
+    }
+}
+
+static void attention_commit(const AttentionPhase *a, int64_t u0, int64_t u1, const float *r) {
+    const int64_t hd = a->hd, A = a->heads * hd;
+    for (int64_t u = u0; u < u1; u++, r += row_floats(hd)) {
+        const int64_t h = u / a->n, i = u % a->n;
+        memcpy(a->out + i * A + h * hd, r, hd * sizeof(float));
+        if (a->oq.q) publish_quantized(&a->oq, i, h * hd, A, hd, r + up16(2 * hd));
+    }
+}
+
+static void phase_run(const Phase *p, int64_t item, float *result, Own *own) {
+    const int64_t u0 = item * p->per, u1 = min64(u0 + p->per, p->units);
+    switch (p->kind) {
+        case PHASE_GEMM: gemm_run(&p->gemm, u0, u1, result, own); break;
+        case PHASE_ROWS: rows_run(&p->rows, u0, u1, result); break;
+        default: attention_run(&p->attn, u0, u1, result, own); break;
+    }
+}
+
+static void phase_commit(const Phase *p, int64_t item, const float *result) {
+    const int64_t u0 = item * p->per, u1 = min64(u0 + p->per, p->units);
+    switch (p->kind) {
+        case PHASE_GEMM: gemm_commit(&p->gemm, u0, u1, result); break;
+        case PHASE_ROWS: rows_commit(&p->rows, u0, u1, result); break;
+        default: attention_commit(&p->attn, u0, u1, result); break;
+    }
+}
+
+// A new phase of `units` units in ITEMS_PER_THREAD items for each of the job's threads (one for
+// one thread), each a multiple of `multiple` units. Few and large: every item costs a few atomic
+// operations on cache lines the threads share (~0.1 us each), and with one item per panel pair
+// (6,750 items a forward of the default target) those took 2-3 ms of a 5 ms forward.
+static Phase *new_phase(Job *j, int64_t *n, int kind, int64_t units, int64_t multiple) {
+    Phase *p = &j->phases[(*n)++];
+    memset(p, 0, sizeof *p);
+    const int64_t wanted = j->threads > 1 ? ITEMS_PER_THREAD * j->threads : 1;
+    const int64_t per = (units + wanted - 1) / wanted;
+    p->kind = kind;
+    p->per = (per + multiple - 1) / multiple * multiple;
+    p->units = units;
+    p->items = (units + p->per - 1) / p->per;
+    return p;
+}
 
 // One GEMM's weights: format 0 is int8 (Q8_0 rows, w int8 [N, K] with scales s [N, K/32]); the
 // others are panels as panel_linear (s unused). Each GEMM has its own format (a GGUF-backed model
@@ -865,6 +945,130 @@ typedef struct {
     const float *s;
     int64_t format;
 } Linear;
+
+// linear_wide's formats: the weights whose widening is worth amortising over a prefill's rows.
+static int takes_wide(int format, int64_t N) {
+    return N % PANEL == 0 && (format == 0 || format == PANEL_F16 || format == PANEL_Q4_1 || format == PANEL_Q8_0);
+}
+// Whether a GEMM reads its rows as int16 (quantize_row) rather than float.
+static int takes_rows16(const Linear *lin, int64_t N, int wide) {
+    const int format = (int)lin->format;
+    return format == A16_Q4_1 || format == A16_Q8_0 || (format == 0 && !(wide && takes_wide(format, N)));
+}
+
+static GemmPhase *add_gemm(Job *j, int64_t *n, const Linear *lin, int64_t M, int64_t K, int64_t N, const float *x,
+                           Rows16 x16, float *y, int wide) {
+    const int format = (int)lin->format, a16 = format == A16_Q4_1 || format == A16_Q8_0;
+    wide = wide && takes_wide(format, N);
+    const int64_t tiles = (M + (a16 ? A16_TILE_ROWS : TILE_ROWS) - 1) / (a16 ? A16_TILE_ROWS : TILE_ROWS);
+    const int group = panel_group((M + tiles - 1) / tiles, a16);  // for every tile: the largest has these rows
+    Phase *p = new_phase(j, n, PHASE_GEMM, (N + PANEL - 1) / PANEL, wide || format == 0 ? 1 : group);
+    p->gemm = (GemmPhase){.format = format, .wide = wide, .group = group, .M = M, .K = K, .N = N,
+                          .stride = format == 0 ? 0 : panel_bytes(format, K), .tiles = tiles, .x = x, .x16 = x16,
+                          .w = lin->w, .scales = lin->s, .y = y};
+    return &p->gemm;
+}
+
+// Room in an arena for `rows` int16 rows of `width` (quantize_row's q, scales and sums).
+static Rows16 rows16_in(float **at, int64_t rows, int64_t width) {
+    int16_t *q = (int16_t *)*at;
+    float *scale = *at + up16(rows * width / 2), *sum = scale + up16(rows * width / GROUP);
+    *at = sum + up16(rows * width / GROUP);
+    return (Rows16){q, scale, sum, width};
+}
+static inline int64_t rows16_floats(int64_t rows, int64_t width) {
+    return up16(rows * width / 2) + 2 * up16(rows * width / GROUP);
+}
+static inline Quantized quantized(Rows16 r) { return (Quantized){(int16_t *)r.q, (float *)r.scale, (float *)r.sum}; }
+
+// y [M, N] = x [M, K] @ W^T as a job of one GEMM (drained: x, W and y belong to the caller).
+static void linear_job(const float *x, int64_t M, int64_t K, const Linear *lin, int64_t N, float *y, int wide) {
+    Job job = job_begin();
+    int64_t n = 0;
+    Rows16 x16 = {0};
+    if (takes_rows16(lin, N, wide)) {  // quantized by the caller (a few microseconds)
+        float *at = job_arena(&job, rows16_floats(M, K));
+        x16 = rows16_in(&at, M, K);
+        for (int64_t m = 0; m < M; m++)
+            quantize_row(x + m * K, K, (int16_t *)x16.q + m * K, (float *)x16.scale + m * (K / GROUP),
+                         (float *)x16.sum + m * (K / GROUP));
+    }
+    add_gemm(&job, &n, lin, M, K, N, x, x16, y, wide);
+    job_run(&job, n);
+    job_end(&job, 1);
+}
+
+// x [M, K] float32, q [N, K] int8, scales [N, K/32] float32, y [M, N] float32; K % 32 == 0.
+void q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scales, int64_t N, float *y) {
+    const Linear lin = {q, scales, 0};
+    linear_job(x, M, K, &lin, N, y, 0);
+}
+
+// x [M, K] float32, w: ceil(N/16) panels in `format`, y [M, N]. The threads take runs of a tile's
+// panels as they come (the rows are split evenly into tiles, 9 -> 5 + 4); the int16-activation
+// formats quantize the rows first.
+void panel_linear(const float *x, int64_t M, int64_t K, const void *w, int64_t N, float *y, int format) {
+    const Linear lin = {w, NULL, format};
+    linear_job(x, M, K, &lin, N, y, 0);
+}
+
+// x [M, K] float32, w (format 0: int8 [N, K] with scales [N, K/32]; else panels as panel_linear),
+// y [M, N]; K % 32 == 0. fp32 and bf16 panels need no conversion worth amortising, so they stay on
+// panel_linear (measured on Zen 1: 0.83-0.94x and 0.95-1.03x its speed at 30-120 rows), as do the
+// int16-activation formats (their integer products are their rounding: a float GEMM would differ)
+// and an N that is not a multiple of the panel width.
+void linear_wide(const float *x, int64_t M, int64_t K, const void *w, const float *scales, int format, int64_t N,
+                 float *y) {
+    const Linear lin = {w, scales, format};
+    linear_job(x, M, K, &lin, N, y, 1);
+}
+
+// out[m, i] = silu(gate[m, i]) * up[m, i], with gate_up[m] = [gate | up] (the SwiGLU MLP's glue).
+void silu_mul(const float *gate_up, float *out, int64_t M, int64_t F) {
+    Job job = job_begin();
+    int64_t n = 0;
+    Phase *p = new_phase(&job, &n, PHASE_ROWS, M, 1);
+    p->rows = (RowsPhase){.op = ROWS_SILU, .width = F, .inner = F, .x = (float *)gate_up, .h = out};
+    job_run(&job, n);
+    job_end(&job, 1);
+}
+
+// An attention phase over n queries: the heads' (head, run of queries) items.
+static AttentionPhase *add_attention(Job *j, int64_t *np, const float *q, const float *kc, const float *vc,
+                                     int64_t cap, int64_t slot, const float *mask, int64_t n, int64_t heads,
+                                     int64_t kv_heads, int64_t hd, float *out) {
+    Phase *p = new_phase(j, np, PHASE_ATTENTION, heads * n, 1);
+    p->attn = (AttentionPhase){.q = q, .kc = kc, .vc = vc, .mask = mask, .cap = cap, .slot = slot, .n = n,
+                               .heads = heads, .group = heads / kv_heads, .hd = hd, .out = out};
+    return &p->attn;
+}
+
+// Grouped-query attention for n new tokens whose K/V go to cache slots [slot, slot + n).
+// qkv [n, (heads + 2 kv_heads) * hd], q/k pairs interleaved and q pre-scaled (fast_llama._Layer);
+// rope [n, hd/2, 2]; caches [kv_heads, cap, hd]; mask [n, slot + n] additive, or NULL for causal
+// (query i sees keys 0..slot+i); out [n, heads * hd]. The caller rotates q and k and fills the
+// caches; the (head, query) pairs are the items: even one query at a 20-token context runs faster
+// on two threads than one (measured 0.24 vs 0.30 ms over the default target's 30 layers).
+void attention(const float *qkv, int64_t n, const float *rope, float *kc, float *vc, int64_t cap,
+               int64_t slot, const float *mask, int64_t heads, int64_t kv_heads, int64_t hd, float *out) {
+    const int64_t row = (heads + 2 * kv_heads) * hd, A = heads * hd;
+    Job job = job_begin();
+    float *q = job_arena(&job, n * A);
+    for (int64_t i = 0; i < n; i++) {
+        const float *qi = qkv + i * row, *ri = rope + i * hd;
+        for (int64_t h = 0; h < heads; h++) rotate(qi + h * hd, ri, q + i * A + h * hd, hd);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            rotate(qi + (heads + h) * hd, ri, kc + (h * cap + slot + i) * hd, hd);
+            memcpy(vc + (h * cap + slot + i) * hd, qi + (heads + kv_heads + h) * hd, hd * sizeof(float));
+        }
+    }
+    int64_t np = 0;
+    add_attention(&job, &np, q, kc, vc, cap, slot, mask, n, heads, kv_heads, hd, out);
+    job_run(&job, np);
+    job_end(&job, 1);
+}
+
+// ---- The whole decoder stack in one call: no Python (or ctypes, or thread wake-up) between ops. ----
 
 // Per-layer GEMMs and norm weights as arrays indexed by layer. down's K is the MLP width padded to
 // a multiple of 32 (zero columns).
@@ -876,37 +1080,99 @@ typedef struct {
     float eps;
 } Decoder;
 
-static void decoder_linear(const Linear *lin, const float *x, int64_t n, int64_t K, int64_t N, float *y, int wide) {
-    if (wide) linear_wide(x, n, K, lin->w, lin->s, (int)lin->format, N, y);
-    else if (lin->format == 0) q8_linear(x, n, K, lin->w, lin->s, N, y);
-    else panel_linear(x, n, K, lin->w, N, y, (int)lin->format);
+// A decoder's activations for n rows in a job's arena: the residual stream x; the normed rows h,
+// rotated queries q, attention output attn, the MLP's gate_up and act (each read by a GEMM, so with
+// its int16 rows); tmp (the o and down GEMMs' output); the rows' rope and mask, copied in: a late
+// helper may still read them after the caller has freed its own.
+typedef struct {
+    float *x, *h, *q, *attn, *tmp, *gate_up, *act, *rope, *mask;
+    Rows16 h16, attn16, act16;
+} Activations;
+
+// The activations of `d` for n rows against `keys` keys (`masked`: with a mask), and `extra` more
+// floats for the caller at *extra.
+static Activations activations(Job *j, const Decoder *d, int64_t n, int64_t keys, int masked, int64_t extra_floats,
+                               float **extra) {
+    const int64_t H = d->hidden, A = d->heads * d->head_dim, F = d->mlp, Fp = d->mlp_padded, hd = d->head_dim;
+    float *at = job_arena(j, 3 * up16(n * H) + 2 * up16(n * A) + up16(n * 2 * F) + up16(n * Fp) + rows16_floats(n, H) +
+                                 rows16_floats(n, A) + rows16_floats(n, Fp) + up16(n * hd) +
+                                 (masked ? up16(n * keys) : 0) + extra_floats);
+    Activations a;
+    float **plain[] = {&a.x, &a.h, &a.tmp, &a.q, &a.attn, &a.gate_up, &a.act, &a.rope, &a.mask};
+    const int64_t sizes[] = {n * H, n * H, n * H, n * A, n * A, n * 2 * F, n * Fp, n * hd, masked ? n * keys : 0};
+    for (int i = 0; i < 9; i++) {
+        *plain[i] = at;
+        at += up16(sizes[i]);
+    }
+    if (!masked) a.mask = NULL;
+    a.h16 = rows16_in(&at, n, H);
+    a.attn16 = rows16_in(&at, n, A);
+    a.act16 = rows16_in(&at, n, Fp);
+    *extra = at;
+    return a;
 }
 
-// x [n, hidden]: input vectors, consumed as the residual stream; out [n, hidden]: final-norm
-// hidden states. Caches [layers, kv_heads, cap, head_dim]; rope, slot and mask as in attention().
-// wide: the GEMMs take linear_wide (a long prefill; the caller decides, cpu_kernels.py).
-void decoder_forward(const Decoder *d, float *x, int64_t n, float *k_cache, float *v_cache, int64_t cap,
-                     const float *rope, int64_t slot, const float *mask, int wide, float *out) {
-    const int64_t H = d->hidden, A = d->heads * d->head_dim, QKV = (d->heads + 2 * d->kv_heads) * d->head_dim;
-    const int64_t layer_stride = d->kv_heads * cap * d->head_dim;
-    float *h = malloc(n * H * sizeof(float)), *tmp = malloc(n * H * sizeof(float));
-    float *qkv = malloc(n * QKV * sizeof(float)), *attn = malloc(n * A * sizeof(float));
-    float *gate_up = malloc(n * 2 * d->mlp * sizeof(float)), *act = calloc(n * d->mlp_padded, sizeof(float));
-    add_rms_norm(x, NULL, d->input_norm[0], d->eps, h, n, H);
+static Rows16 rows16_from(Rows16 r, int64_t row) {  // the int16 rows from `row` on
+    return (Rows16){r.q + row * r.K, r.scale + row * (r.K / GROUP), r.sum + row * (r.K / GROUP), r.K};
+}
+
+static Phase *add_norm(Job *j, int64_t *np, const Activations *a, int64_t n, int64_t H, const float *y,
+                       const float *w, float eps, float *out, int quantize) {
+    Phase *p = new_phase(j, np, PHASE_ROWS, n, 1);
+    p->rows = (RowsPhase){.op = ROWS_NORM, .width = H, .x = a->x, .y = y, .w = w, .eps = eps, .h = a->h, .out = out,
+                          .hq = quantize ? quantized(a->h16) : (Quantized){0}};
+    return p;
+}
+
+// The layer stack on a->x [n, hidden] at cache slots [slot, slot + n), as phases of `j`: the
+// final-norm hidden states into a->h (and into out unless NULL), with their int16 rows if `head`
+// reads them so. Caches [layers, kv_heads, cap, head_dim]. wide: a prefill whose GEMMs may take
+// linear_wide's (the caller decides, cpu_kernels.py). Per layer 8 phases: qkv (rotated into q and
+// the caches as it is published), attention, o, add + norm, gate_up, SiLU, down, add + norm.
+static void add_decoder(Job *j, int64_t *np, const Decoder *d, const Activations *a, int64_t n, float *k_cache,
+                        float *v_cache, int64_t cap, int64_t slot, int wide, float *out, const Linear *head) {
+    const int64_t H = d->hidden, hd = d->head_dim, A = d->heads * hd, QKV = (d->heads + 2 * d->kv_heads) * hd;
+    const int64_t F = d->mlp, Fp = d->mlp_padded, layer_stride = d->kv_heads * cap * hd;
+    add_norm(j, np, a, n, H, NULL, d->input_norm[0], d->eps, NULL, takes_rows16(&d->qkv[0], QKV, wide));
     for (int64_t l = 0; l < d->layers; l++) {
-        decoder_linear(&d->qkv[l], h, n, H, QKV, qkv, wide);
-        attention(qkv, n, rope, k_cache + l * layer_stride, v_cache + l * layer_stride, cap, slot, mask,
-                  d->heads, d->kv_heads, d->head_dim, attn);
-        decoder_linear(&d->o[l], attn, n, A, H, tmp, wide);
-        add_rms_norm(x, tmp, d->post_norm[l], d->eps, h, n, H);
-        decoder_linear(&d->gate_up[l], h, n, H, 2 * d->mlp, gate_up, wide);
-        for (int64_t i = 0; i < n; i++)  // rows of act keep their zero padding
-            silu_mul(gate_up + i * 2 * d->mlp, act + i * d->mlp_padded, 1, d->mlp);
-        decoder_linear(&d->down[l], act, n, d->mlp_padded, H, tmp, wide);
+        float *kc = k_cache + l * layer_stride, *vc = v_cache + l * layer_stride;
+        GemmPhase *g = add_gemm(j, np, &d->qkv[l], n, H, QKV, a->h, a->h16, NULL, wide);
+        g->rope = a->rope, g->q = a->q, g->kc = kc, g->vc = vc, g->cap = cap, g->slot = slot;
+        g->heads = d->heads, g->kv_heads = d->kv_heads, g->hd = hd;
+        AttentionPhase *at = add_attention(j, np, a->q, kc, vc, cap, slot, a->mask, n, d->heads, d->kv_heads, hd, a->attn);
+        if (takes_rows16(&d->o[l], H, wide) && hd % GROUP == 0) {
+            at->oq = quantized(a->attn16);  // each head's slice is whole groups of 32
+        } else if (takes_rows16(&d->o[l], H, wide)) {
+            Phase *p = new_phase(j, np, PHASE_ROWS, n, 1);
+            p->rows = (RowsPhase){.op = ROWS_QUANT, .width = A, .x = a->attn, .hq = quantized(a->attn16)};
+        }
+        add_gemm(j, np, &d->o[l], n, A, H, a->attn, a->attn16, a->tmp, wide);
+        add_norm(j, np, a, n, H, a->tmp, d->post_norm[l], d->eps, NULL, takes_rows16(&d->gate_up[l], 2 * F, wide));
+        add_gemm(j, np, &d->gate_up[l], n, H, 2 * F, a->h, a->h16, a->gate_up, wide);
+        Phase *p = new_phase(j, np, PHASE_ROWS, n, 1);  // rows of act keep their zero padding
+        p->rows = (RowsPhase){.op = ROWS_SILU, .width = Fp, .inner = F, .x = a->gate_up, .h = a->act,
+                              .hq = takes_rows16(&d->down[l], H, wide) ? quantized(a->act16) : (Quantized){0}};
+        add_gemm(j, np, &d->down[l], n, Fp, H, a->act, a->act16, a->tmp, wide);
         const int last = l + 1 == d->layers;
-        add_rms_norm(x, tmp, last ? d->final_norm : d->input_norm[l + 1], d->eps, last ? out : h, n, H);
+        add_norm(j, np, a, n, H, a->tmp, last ? d->final_norm : d->input_norm[l + 1], d->eps, last ? out : NULL,
+                 last ? head != NULL && takes_rows16(head, 0, 0) : takes_rows16(&d->qkv[l + 1], QKV, wide));
     }
-    free(h); free(tmp); free(qkv); free(attn); free(gate_up); free(act);
+}
+
+// x [n, hidden]: input vectors (the residual stream; not written); out [n, hidden]: final-norm
+// hidden states. Caches [layers, kv_heads, cap, head_dim]; rope, slot and mask as in attention().
+void decoder_forward(const Decoder *d, const float *x, int64_t n, float *k_cache, float *v_cache, int64_t cap,
+                     const float *rope, int64_t slot, const float *mask, int wide, float *out) {
+    Job job = job_begin();
+    float *extra;
+    const Activations a = activations(&job, d, n, slot + n, mask != NULL, 0, &extra);
+    memcpy(a.x, x, n * d->hidden * sizeof(float));
+    memcpy(a.rope, rope, n * d->head_dim * sizeof(float));
+    if (mask) memcpy(a.mask, mask, n * (slot + n) * sizeof(float));
+    int64_t np = 0;
+    add_decoder(&job, &np, d, &a, n, k_cache, v_cache, cap, slot, wide, out, NULL);
+    job_run(&job, np);
+    job_end(&job, 0);
 }
 
 /* ---- sampling kernels ---- */
@@ -1294,11 +1560,16 @@ void target_forward(const Decoder *d, const float *embed, const Linear *head, in
                     const float *rope, int64_t slot, int wide, int64_t last_n, float *hidden, float *logits,
                     const RoundRule *rule, double *rule_seconds) {
     const int64_t H = d->hidden;
-    float *x = malloc(n * H * sizeof(float));
-    for (int64_t j = 0; j < n; j++) memcpy(x + j * H, embed + tokens[j] * H, H * sizeof(float));
-    decoder_forward(d, x, n, k_cache, v_cache, cap, rope, slot, NULL, wide, hidden);
-    decoder_linear(head, hidden + (n - last_n) * H, last_n, H, head_rows, logits, 0);
-    free(x);
+    Job job = job_begin();
+    float *extra;
+    const Activations a = activations(&job, d, n, slot + n, 0, 0, &extra);
+    for (int64_t j = 0; j < n; j++) memcpy(a.x + j * H, embed + tokens[j] * H, H * sizeof(float));
+    memcpy(a.rope, rope, n * d->head_dim * sizeof(float));
+    int64_t np = 0;
+    add_decoder(&job, &np, d, &a, n, k_cache, v_cache, cap, slot, wide, hidden, head);
+    add_gemm(&job, &np, head, last_n, H, head_rows, a.h + (n - last_n) * H, rows16_from(a.h16, n - last_n), logits, 0);
+    job_run(&job, np);
+    job_end(&job, 0);
     if (rule != NULL) {  // the round's rule on the rows just written, timed apart from the forward
         const double start = omp_get_wtime();
         verify_logits(logits, head_rows, rule);
@@ -1322,31 +1593,46 @@ typedef struct {
 } FeatureStep;
 
 // x_j = fc([embed(t_j); f_{j-1}]) for the n entries, then the draft's decoder stack on them at cache slots
-// [slot, slot + n) (mask: a tree's additive [n, slot + n] visibility, NULL: causal) -> their f̂ into out.
-static void feature_forward(const FeatureStep *s, const int64_t *tokens, int64_t n, const float *features,
-                            float *k_cache, float *v_cache, int64_t cap, const float *rope, int64_t slot,
-                            const float *mask, int wide, float *out) {
-    const int64_t H = s->decoder->hidden, E = s->embed_dim, K = E + H, Kp = (K + GROUP - 1) / GROUP * GROUP;
-    float *in = calloc(n * Kp, sizeof(float)), *x = malloc(n * H * sizeof(float));
+// [slot, slot + n) (mask: a tree's additive [n, slot + n] visibility, NULL: causal) -> their f̂ into out,
+// then the head on the last `heads` f̂: their logits [heads, head_rows], in the job's arena.
+static float *feature_forward(Job *job, const FeatureStep *s, const int64_t *tokens, int64_t n, const float *features,
+                              float *k_cache, float *v_cache, int64_t cap, const float *rope, int64_t slot,
+                              const float *mask, int wide, float *out, int64_t heads) {
+    const Decoder *d = s->decoder;
+    const int64_t H = d->hidden, E = s->embed_dim, K = E + H, Kp = (K + GROUP - 1) / GROUP * GROUP, V = s->head_rows;
+    float *in;
+    const Activations a = activations(job, d, n, slot + n, mask != NULL, up16(n * Kp) + rows16_floats(n, Kp) + heads * V,
+                                      &in);
+    float *at = in + up16(n * Kp);
+    const Rows16 in16 = rows16_in(&at, n, Kp);
+    float *logits = at;
+    memset(in, 0, n * Kp * sizeof(float));
     for (int64_t j = 0; j < n; j++) {  // [embed(t_j); f_{j-1}], zero-padded to Kp as pad_to_group
         memcpy(in + j * Kp, s->embed + tokens[j] * E, E * sizeof(float));
         memcpy(in + j * Kp + E, features + j * H, H * sizeof(float));
+        if (takes_rows16(&s->fc, H, 0))
+            quantize_row(in + j * Kp, Kp, (int16_t *)in16.q + j * Kp, (float *)in16.scale + j * (Kp / GROUP),
+                         (float *)in16.sum + j * (Kp / GROUP));
     }
-    decoder_linear(&s->fc, in, n, Kp, H, x, 0);
-    decoder_forward(s->decoder, x, n, k_cache, v_cache, cap, rope, slot, mask, wide, out);
-    free(in); free(x);
+    memcpy(a.rope, rope, n * d->head_dim * sizeof(float));
+    if (mask) memcpy(a.mask, mask, n * (slot + n) * sizeof(float));
+    int64_t np = 0;
+    add_gemm(job, &np, &s->fc, n, Kp, H, in, in16, a.x, 0);
+    add_decoder(job, &np, d, &a, n, k_cache, v_cache, cap, slot, wide, out, &s->head);
+    add_gemm(job, &np, &s->head, heads, H, V, a.h + (n - heads) * H, rows16_from(a.h16, n - heads), logits, 0);
+    job_run(job, np);
+    return logits;
 }
 
 int64_t feature_draft_step(const FeatureStep *s, const int64_t *tokens, int64_t n, const float *features,
                            float *k_cache, float *v_cache, int64_t cap, const float *rope, int64_t slot, int wide,
                            float *out, int64_t w, float temperature, float top_p, float u, int64_t *ids,
                            float *probs) {
-    const int64_t H = s->decoder->hidden;
-    float *logits = malloc(s->head_rows * sizeof(float));
-    feature_forward(s, tokens, n, features, k_cache, v_cache, cap, rope, slot, NULL, wide, out);
-    decoder_linear(&s->head, out + (n - 1) * H, 1, H, s->head_rows, logits, 0);
+    Job job = job_begin();
+    const float *logits = feature_forward(&job, s, tokens, n, features, k_cache, v_cache, cap, rope, slot, NULL, wide,
+                                          out, 1);
     const int64_t token = sample_draw(logits, s->head_rows, w, temperature, top_p, s->head_ids, u, ids, probs);
-    free(logits);
+    job_end(&job, 0);
     return token;
 }
 
@@ -1361,11 +1647,11 @@ void feature_tree_step(const FeatureStep *s, const int64_t *tokens, int64_t n, c
                        float *k_cache, float *v_cache, int64_t cap, const float *rope, int64_t slot,
                        const float *mask, float *out, int64_t w, float temperature, float top_p, const float *u,
                        int64_t *drawn, int64_t *ids, float *probs) {
-    const int64_t H = s->decoder->hidden, V = s->head_rows;
-    float *logits = malloc(n * V * sizeof(float));
-    feature_forward(s, tokens, n, features, k_cache, v_cache, cap, rope, slot, mask, 0, out);
-    decoder_linear(&s->head, out, n, H, V, logits, 0);
+    const int64_t V = s->head_rows;
+    Job job = job_begin();
+    const float *logits = feature_forward(&job, s, tokens, n, features, k_cache, v_cache, cap, rope, slot, mask, 0,
+                                          out, n);
     for (int64_t j = 0; j < n; j++)
         drawn[j] = sample_draw(logits + j * V, V, w, temperature, top_p, s->head_ids, u[j], ids + j * w, probs + j * w);
-    free(logits);
+    job_end(&job, 0);
 }

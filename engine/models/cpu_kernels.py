@@ -2,8 +2,12 @@
 
 Why C and not a torch extension: the kernel needs no ATen, so a plain `cc -O3` build takes
 about a second (a torch C++ extension takes a minute of header parsing), and a ctypes call costs a
-few microseconds. The library links `libgomp.so.1`, the OpenMP runtime torch itself loads, so it
-shares torch's thread pool and follows `torch.set_num_threads`.
+few microseconds. Its threads are its own (work_pool.h): a forward's phases are split into items
+that whichever thread is running takes, so a thread the OS preempts no longer holds the others at
+the end of each of a forward's ~240 parallel steps (as OpenMP's did). It uses as many threads as
+`torch.get_num_threads()` (libgomp's setting, which `torch.set_num_threads` changes). A thread that
+was preempted may read a job's weights and KV caches after the job returned: whoever frees them
+calls `quiesce()` first (`release_guard`).
 
 One source, one build per instruction set (`ISAS`): the machines this project runs on range from
 Zen 1 (AVX2 only) to Xeons with AVX-512, and a kernel built for the wider vectors dies with
@@ -25,6 +29,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -52,6 +58,7 @@ WIDE_FORMATS = ("float16", "int8", "q4_1")
 FORMAT_CODES = {"int8": 0, "float16": 1, "bfloat16": 2, "float32": 3, "q4_1": 4, "q8_0": 5, "q4_1_a16": 6,
                 "q8_0_a16": 7}
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_HEADERS = (Path(__file__).with_name("work_pool.h"),)
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -103,7 +110,7 @@ def selected_isa() -> str | None:
 def build(isa: str) -> Path:
     """Compile cpu_kernels.c for `isa` into the cache, keyed by the source and flags (a no-op once built)."""
     flags = [*_COMMON_FLAGS, *ISAS[isa].compiler_flags]
-    source = _SOURCE.read_bytes()
+    source = _SOURCE.read_bytes() + b"".join(header.read_bytes() for header in _HEADERS)
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
@@ -186,6 +193,9 @@ def load(isa: str) -> ctypes.CDLL | None:
     lib.target_forward.argtypes = [ctypes.POINTER(_DecoderLayout), ptr, ctypes.POINTER(_Linear), i64, ptr, i64, ptr,
                                    ptr, i64, ptr, i64, ctypes.c_int, i64, ptr, ptr, ctypes.POINTER(RoundRuleArgs),
                                    ctypes.POINTER(ctypes.c_double)]
+    lib.kernel_quiesce.restype, lib.kernel_quiesce.argtypes = None, []
+    lib.kernel_steal_grace.restype, lib.kernel_steal_grace.argtypes = i64, [i64]
+    lib.kernel_pool_counts.restype, lib.kernel_pool_counts.argtypes = None, [ptr]
     lib.kernel_vector_width.restype, lib.kernel_vector_width.argtypes = ctypes.c_int, []
     if lib.kernel_vector_width() != ISAS[isa].vector_width:
         raise RuntimeError(f"the {isa} build of cpu_kernels.c reports {lib.kernel_vector_width()}-float vectors")
@@ -198,6 +208,20 @@ def _library() -> ctypes.CDLL | None:
         return None
     isa = selected_isa()
     return None if isa is None else load(isa)
+
+
+def quiesce() -> None:
+    """Wait until no kernel thread can still be reading a finished forward's inputs (weights, KV
+    caches): call it before freeing them. Returns at once when the threads are idle."""
+    lib = _library()
+    if lib is not None:
+        lib.kernel_quiesce()
+
+
+def release_guard(owner: object) -> None:
+    """Make `owner`'s garbage collection call `quiesce` before its attributes (the tensors the
+    kernels read) are released: CPython runs weakref callbacks before it clears an object's dict."""
+    weakref.finalize(owner, quiesce)
 
 
 def available() -> bool:
@@ -354,6 +378,7 @@ class NativeDecoder:
     """
 
     GEMMS = ("qkv", "o", "gate_up", "down")
+    MAX_LAYERS = 100  # a forward's phases (8 or 9 a layer, and a few more) fit work_pool.h's POOL_PHASES
 
     def __init__(self, layers: Sequence[dict], final_norm: torch.Tensor, *, mlp: int, heads: int, kv_heads: int,
                  head_dim: int, eps: float) -> None:
@@ -363,7 +388,10 @@ class NativeDecoder:
         hidden = final_norm.shape[0]
         if hidden % GROUP or heads * head_dim % GROUP:
             raise ValueError(f"the native decoder needs hidden size and heads x head_dim divisible by {GROUP}")
+        if len(layers) > self.MAX_LAYERS:
+            raise ValueError(f"the native decoder runs at most {self.MAX_LAYERS} layers, got {len(layers)}")
         self._keep = [layers, final_norm]
+        release_guard(self)
         arrays = {}
         for name in self.GEMMS:
             arrays[name] = (_Linear * len(layers))(*[_linear(layer[name]) for layer in layers])
@@ -376,7 +404,7 @@ class NativeDecoder:
 
     def __call__(self, x: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int,
                  mask: torch.Tensor | None, wide: bool = False) -> torch.Tensor:
-        """x [n, hidden] (consumed: the residual stream) at cache slots [slot, slot+n) -> final-norm
+        """x [n, hidden] at cache slots [slot, slot+n) -> final-norm
         hidden states [n, hidden]; caches [layers, kv_heads, cap, head_dim]; rope and mask as `attention`;
         wide: a prefill whose GEMMs may use `linear_wide`."""
         x = x.contiguous()
@@ -388,6 +416,23 @@ class NativeDecoder:
         return out
 
 
+class _PerThread(threading.local):
+    """The buffers a native step reuses from call to call, one set per calling thread: two threads'
+    forwards through one step (the weights, and so the step, are shared) must not write each
+    other's tokens or logits."""
+
+    def __init__(self) -> None:
+        self.tokens = (ctypes.c_int64 * 64)()
+        self.scratch: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}  # (what, rows) -> (buffer, address)
+
+    def tokens_for(self, tokens: Sequence[int]) -> ctypes.Array:
+        """`tokens` in this thread's token buffer (grown as needed)."""
+        if len(tokens) > len(self.tokens):
+            self.tokens = (ctypes.c_int64 * (2 * len(tokens)))()
+        self.tokens[:len(tokens)] = tokens
+        return self.tokens
+
+
 class TargetStep:
     """A target forward as one native call (`target_forward` in cpu_kernels.c): the embedding rows,
     the decoder stack and the head on the last rows, bit for bit what `FastLlamaCausalLM._forward`
@@ -397,11 +442,11 @@ class TargetStep:
         """embed float32 [vocab, H]; head [rows, H] as `NativeDecoder`'s GEMMs (`weight`, `scales`, `format`)."""
         embed = embed.detach().float().contiguous()
         self._keep = [embed, head, decoder]
+        release_guard(self)
         self.hidden, self.vocab, self.head_rows = decoder.layout.hidden, embed.shape[0], head.out_features
         self._embed, self._head, self._decoder = embed.data_ptr(), _linear(head), ctypes.pointer(decoder.layout)
         self._lib = _library()  # looked up once: `_library` reads the environment
-        self._ids = (ctypes.c_int64 * 0)()
-        self._scratch: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}  # (what, rows) -> (buffer, address)
+        self._mine = _PerThread()
 
     def __call__(self, tokens: Sequence[int], cache: tuple[int, int, int, int, int, bool], last_n: int,
                  rule: tuple | None = None, hidden_at: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -415,9 +460,7 @@ class TargetStep:
         n = len(tokens)
         if min(tokens) < 0 or max(tokens) >= self.vocab:
             raise IndexError(f"token ids must be in [0, {self.vocab}), got {list(tokens)}")
-        if n > len(self._ids):
-            self._ids = (ctypes.c_int64 * n)()
-        self._ids[:n] = tokens
+        ids = self._mine.tokens_for(tokens)
         hidden = None
         if hidden_at is None:
             hidden = torch.empty(n, self.hidden)
@@ -427,17 +470,18 @@ class TargetStep:
             at = logits.data_ptr()
         else:
             logits, at = self.scratch("logits", last_n)
-        self._lib.target_forward(self._decoder, self._embed, ctypes.byref(self._head), self.head_rows, self._ids, n,
+        self._lib.target_forward(self._decoder, self._embed, ctypes.byref(self._head), self.head_rows, ids, n,
                                   *cache, last_n, hidden_at, at, *(rule or (None, None)))
         return hidden, logits
 
     def scratch(self, what: str, rows: int) -> tuple[torch.Tensor, int]:
         """A buffer of `rows` rows of "logits" or "hidden" that every call asking for the same is
         handed again, and its address: for outputs no caller keeps past the next call."""
-        buffer = self._scratch.get((what, rows))
+        scratch = self._mine.scratch
+        buffer = scratch.get((what, rows))
         if buffer is None:
             tensor = torch.empty(rows, self.head_rows if what == "logits" else self.hidden)
-            buffer = self._scratch[what, rows] = tensor, tensor.data_ptr()
+            buffer = scratch[what, rows] = tensor, tensor.data_ptr()
         return buffer
 
 
@@ -453,13 +497,14 @@ class FeatureStep:
         embed = embed.detach().float().contiguous()
         head_ids = None if head_ids is None else head_ids.to(torch.int64).contiguous()
         self._keep = [embed, fc, head, head_ids, decoder]
+        release_guard(self)
         self.hidden = decoder.layout.hidden
         self.layout = _FeatureStepLayout(
             embed.data_ptr(), _linear(fc), _linear(head),
             None if head_ids is None else head_ids.data_ptr(), ctypes.pointer(decoder.layout), embed.shape[1],
             head.out_features)
         self._lib = _library()  # looked up once: `_library` reads the environment
-        self._tokens = (ctypes.c_int64 * 64)()  # the fed tokens, reused: a step feeds one token, a resync a few
+        self._mine = _PerThread()  # the fed tokens, reused: a step feeds one token, a resync a few
 
     def __call__(self, tokens: Sequence[int], features: int, cache: tuple[int, int, int, int, int, bool], out: int,
                  width: int, temperature: float, top_p: float, uniform: float, ids: int, probs: int) -> int:
@@ -470,10 +515,7 @@ class FeatureStep:
         (int64) and probs (float32) [width] at the addresses `ids` and `probs` (a `SupportRows` row):
         the token."""
         n = len(tokens)
-        if n > len(self._tokens):
-            self._tokens = (ctypes.c_int64 * (2 * n))()
-        self._tokens[:n] = tokens
-        return self._lib.feature_draft_step(ctypes.byref(self.layout), self._tokens, n, features, *cache, out,
+        return self._lib.feature_draft_step(ctypes.byref(self.layout), self._mine.tokens_for(tokens), n, features, *cache, out,
                                             width, temperature, top_p, uniform, ids, probs)
 
     def tree(self, tokens: torch.Tensor, features: torch.Tensor, cache: tuple[int, int, int], rope: torch.Tensor,

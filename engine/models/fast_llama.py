@@ -350,6 +350,9 @@ class FastLlamaCausalLM(CausalLM):
         if self.max_length:  # growing: keep what is cached, tree scratch slots included
             k[:, :, : self.max_length] = self.k
             v[:, :, : self.max_length] = self.v
+            cpu_kernels.quiesce()  # no kernel thread still reads the caches about to be freed
+        else:
+            cpu_kernels.release_guard(self)
         self.k, self.v = k, v
         self.rope = w.rope_table(max_length)
         self.max_length = max_length
