@@ -2,11 +2,12 @@
 
 Why: the engine rarely has its cores to itself. A browser on the same machine takes about half a
 core while the playground streams (`playground.browser_bench`'s Chromium column), and a Space or a
-workshop laptop runs other programs. The fast backend splits every GEMM evenly over its threads, so
-a thread that loses its core holds up the other at the end of each of the forward's ~150 parallel
-regions. `python -m engine.bench --competitor 0.5` measures that reproducibly: for the whole timed
-part, a process spins for `duty` of every 8 ms and sleeps for the rest, on whichever core the OS
-gives it (as a browser would).
+workshop laptop runs other programs. Under OpenMP the fast backend split every GEMM evenly over its
+threads, so a thread that lost its core held up the other at the end of each of the forward's ~150
+parallel regions (session 36: -30 %); its own work pool (engine/models/work_pool.h) lets the
+running thread take the rest. `python -m engine.bench --competitor 0.5` measures that reproducibly:
+for the whole timed part, a process spins for `duty` of every 8 ms and sleeps for the rest, on
+whichever core the OS gives it (as a browser would).
 
 Run alone (`python engine/busy_core.py DUTY`) it spins until it is killed.
 """

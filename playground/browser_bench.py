@@ -229,8 +229,8 @@ def settle() -> None:
 
 def browser_cpu_seconds() -> float:
     """User + system CPU seconds of every live Chromium process (/proc: this bench's browser is the
-    only one on a quiet machine). The engine's OpenMP team splits each GEMM evenly over both
-    cores, so any core-time Chromium takes stalls the whole forward, not just one thread's share."""
+    only one on a quiet machine): core-time the engine's two threads do not have. (Before the
+    kernels' work pool, session 37, it stalled the whole forward, not just one thread's share.)"""
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0
     for stat in Path("/proc").glob("[0-9]*/stat"):

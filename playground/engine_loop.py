@@ -6,6 +6,9 @@ from a generation) libgomp manages more threads than there are CPUs and switches
 "throttled" spin count (100 spins instead of 300,000), so the team's idle thread sleeps in a futex
 between the decoder's many small parallel regions and each region pays a wake-up. On 2 cores that
 halved the engine's speed inside Gradio. With one thread owning every call there is one team.
+The native kernels have had threads of their own since session 37 (engine/models/work_pool.h, which
+no preempted thread holds up), but torch's ops (loading, the transformers backend, the fallbacks)
+still open OpenMP teams, so one thread still owns them all.
 The SSD engine has a thread of its own (it pins it), so each loop's thread lives only while it has
 work: a thread that exits takes its team with it. An idle SSD thread kept alive after one SSD run
 held every later synchronous run at 0.55x its speed (AMD EPYC Zen 4, 2 cores; an idle second team

@@ -25,7 +25,7 @@ from playground.views import STREAMING_STATUS, details, legend, progress_line, s
 from playground.vllm_config import speculative_config_text
 
 # Chromium shares the machine with the engine: every chart redraw is CPU taken from the engine's
-# OpenMP team (measured with playground.browser_bench). So while a run streams, only the two key
+# threads (measured with playground.browser_bench). So while a run streams, only the two key
 # charts next to the tokens are live: as lines the page draws from the live feed, or, for a page
 # without one, redrawn one at a time in turn on the timer; all seven redraw when it pauses or ends.
 CHART_HZ = 1.0  # the timer's chart cadence, for a page without the live feed
