@@ -91,3 +91,15 @@ def test_concurrent_callers_each_get_the_bits_of_one_thread(tiny_pair, threads):
         t.join()
     assert sorted(got) == [0, 1, 2]
     assert all(torch.equal(g, want.repeat(3, 1)) for g in got.values())
+
+
+@native
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_an_output_larger_than_an_item_is_split_into_items_and_comes_out_whole(n_threads, threads):
+    """40 rows x 30,000 channels is more than one item's result (ITEM_FLOATS, 2^20 floats), so the
+    GEMM takes more items than the threads alone would ask for: every channel must still arrive."""
+    threads(n_threads)
+    torch.manual_seed(0)
+    weight, x = torch.randn(30_000, 64) * 0.05, torch.randn(40, 64)
+    y = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(weight, torch.float32), 30_000, "float32")
+    torch.testing.assert_close(y, x @ weight.T, atol=1e-4, rtol=0)

@@ -921,15 +921,22 @@ static void phase_commit(const Phase *p, int64_t item, const float *result) {
     }
 }
 
-// A new phase of `units` units in ITEMS_PER_THREAD items for each of the job's threads (one for
-// one thread), each a multiple of `multiple` units. Few and large: every item costs a few atomic
-// operations on cache lines the threads share (~0.1 us each), and with one item per panel pair
-// (6,750 items a forward of the default target) those took 2-3 ms of a 5 ms forward.
-static Phase *new_phase(Job *j, int64_t *n, int kind, int64_t units, int64_t multiple) {
+// A new phase of `units` units (each `unit_floats` floats of result) in ITEMS_PER_THREAD items for
+// each of the job's threads (one for one thread), each a multiple of `multiple` units. Few and
+// large: every item costs a few atomic operations on cache lines the threads share (~0.1 us each),
+// and with one item per panel pair (6,750 items a forward of the default target) those took 2-3 ms
+// of a 5 ms forward. But no larger than ITEM_FLOATS of result where POOL_ITEMS allow: an item's
+// result is held twice (its thread's buffer, then the output), so a head over a long prompt's
+// every row would otherwise hold a second copy of all its logits.
+#define ITEM_FLOATS (1 << 20)
+static Phase *new_phase(Job *j, int64_t *n, int kind, int64_t units, int64_t multiple, int64_t unit_floats) {
     Phase *p = &j->phases[(*n)++];
     memset(p, 0, sizeof *p);
     const int64_t wanted = j->threads > 1 ? ITEMS_PER_THREAD * j->threads : 1;
-    const int64_t per = (units + wanted - 1) / wanted;
+    const int64_t fits = ITEM_FLOATS / unit_floats > 1 ? ITEM_FLOATS / unit_floats : 1;
+    const int64_t fewest = (units + POOL_ITEMS - 1) / POOL_ITEMS;  // per item, for at most POOL_ITEMS
+    int64_t per = (units + wanted - 1) / wanted;
+    if (per > fits) per = fits > fewest ? fits : fewest;
     p->kind = kind;
     p->per = (per + multiple - 1) / multiple * multiple;
     p->units = units;
@@ -962,7 +969,7 @@ static GemmPhase *add_gemm(Job *j, int64_t *n, const Linear *lin, int64_t M, int
     wide = wide && takes_wide(format, N);
     const int64_t tiles = (M + (a16 ? A16_TILE_ROWS : TILE_ROWS) - 1) / (a16 ? A16_TILE_ROWS : TILE_ROWS);
     const int group = panel_group((M + tiles - 1) / tiles, a16);  // for every tile: the largest has these rows
-    Phase *p = new_phase(j, n, PHASE_GEMM, (N + PANEL - 1) / PANEL, wide || format == 0 ? 1 : group);
+    Phase *p = new_phase(j, n, PHASE_GEMM, (N + PANEL - 1) / PANEL, wide || format == 0 ? 1 : group, M * PANEL);
     p->gemm = (GemmPhase){.format = format, .wide = wide, .group = group, .M = M, .K = K, .N = N,
                           .stride = format == 0 ? 0 : panel_bytes(format, K), .tiles = tiles, .x = x, .x16 = x16,
                           .w = lin->w, .scales = lin->s, .y = y};
@@ -1027,7 +1034,7 @@ void linear_wide(const float *x, int64_t M, int64_t K, const void *w, const floa
 void silu_mul(const float *gate_up, float *out, int64_t M, int64_t F) {
     Job job = job_begin();
     int64_t n = 0;
-    Phase *p = new_phase(&job, &n, PHASE_ROWS, M, 1);
+    Phase *p = new_phase(&job, &n, PHASE_ROWS, M, 1, row_floats(F));
     p->rows = (RowsPhase){.op = ROWS_SILU, .width = F, .inner = F, .x = (float *)gate_up, .h = out};
     job_run(&job, n);
     job_end(&job, 1);
@@ -1037,7 +1044,7 @@ void silu_mul(const float *gate_up, float *out, int64_t M, int64_t F) {
 static AttentionPhase *add_attention(Job *j, int64_t *np, const float *q, const float *kc, const float *vc,
                                      int64_t cap, int64_t slot, const float *mask, int64_t n, int64_t heads,
                                      int64_t kv_heads, int64_t hd, float *out) {
-    Phase *p = new_phase(j, np, PHASE_ATTENTION, heads * n, 1);
+    Phase *p = new_phase(j, np, PHASE_ATTENTION, heads * n, 1, row_floats(hd));
     p->attn = (AttentionPhase){.q = q, .kc = kc, .vc = vc, .mask = mask, .cap = cap, .slot = slot, .n = n,
                                .heads = heads, .group = heads / kv_heads, .hd = hd, .out = out};
     return &p->attn;
@@ -1118,7 +1125,7 @@ static Rows16 rows16_from(Rows16 r, int64_t row) {  // the int16 rows from `row`
 
 static Phase *add_norm(Job *j, int64_t *np, const Activations *a, int64_t n, int64_t H, const float *y,
                        const float *w, float eps, float *out, int quantize) {
-    Phase *p = new_phase(j, np, PHASE_ROWS, n, 1);
+    Phase *p = new_phase(j, np, PHASE_ROWS, n, 1, row_floats(H));
     p->rows = (RowsPhase){.op = ROWS_NORM, .width = H, .x = a->x, .y = y, .w = w, .eps = eps, .h = a->h, .out = out,
                           .hq = quantize ? quantized(a->h16) : (Quantized){0}};
     return p;
@@ -1143,13 +1150,13 @@ static void add_decoder(Job *j, int64_t *np, const Decoder *d, const Activations
         if (takes_rows16(&d->o[l], H, wide) && hd % GROUP == 0) {
             at->oq = quantized(a->attn16);  // each head's slice is whole groups of 32
         } else if (takes_rows16(&d->o[l], H, wide)) {
-            Phase *p = new_phase(j, np, PHASE_ROWS, n, 1);
+            Phase *p = new_phase(j, np, PHASE_ROWS, n, 1, row_floats(A));
             p->rows = (RowsPhase){.op = ROWS_QUANT, .width = A, .x = a->attn, .hq = quantized(a->attn16)};
         }
         add_gemm(j, np, &d->o[l], n, A, H, a->attn, a->attn16, a->tmp, wide);
         add_norm(j, np, a, n, H, a->tmp, d->post_norm[l], d->eps, NULL, takes_rows16(&d->gate_up[l], 2 * F, wide));
         add_gemm(j, np, &d->gate_up[l], n, H, 2 * F, a->h, a->h16, a->gate_up, wide);
-        Phase *p = new_phase(j, np, PHASE_ROWS, n, 1);  // rows of act keep their zero padding
+        Phase *p = new_phase(j, np, PHASE_ROWS, n, 1, row_floats(Fp));  // rows of act keep their zero padding
         p->rows = (RowsPhase){.op = ROWS_SILU, .width = Fp, .inner = F, .x = a->gate_up, .h = a->act,
                               .hq = takes_rows16(&d->down[l], H, wide) ? quantized(a->act16) : (Quantized){0}};
         add_gemm(j, np, &d->down[l], n, Fp, H, a->act, a->act16, a->tmp, wide);
