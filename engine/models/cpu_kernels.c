@@ -987,6 +987,11 @@ static inline int64_t rows16_floats(int64_t rows, int64_t width) {
     return up16(rows * width / 2) + 2 * up16(rows * width / GROUP);
 }
 static inline Quantized quantized(Rows16 r) { return (Quantized){(int16_t *)r.q, (float *)r.scale, (float *)r.sum}; }
+// Row `row` of r, quantized from v [r.K].
+static void quantize_into_row(const float *v, Rows16 r, int64_t row) {
+    quantize_row(v, r.K, (int16_t *)r.q + row * r.K, (float *)r.scale + row * (r.K / GROUP),
+                 (float *)r.sum + row * (r.K / GROUP));
+}
 
 // y [M, N] = x [M, K] @ W^T as a job of one GEMM (drained: x, W and y belong to the caller).
 static void linear_job(const float *x, int64_t M, int64_t K, const Linear *lin, int64_t N, float *y, int wide) {
@@ -996,9 +1001,7 @@ static void linear_job(const float *x, int64_t M, int64_t K, const Linear *lin, 
     if (takes_rows16(lin, N, wide)) {  // quantized by the caller (a few microseconds)
         float *at = job_arena(&job, rows16_floats(M, K));
         x16 = rows16_in(&at, M, K);
-        for (int64_t m = 0; m < M; m++)
-            quantize_row(x + m * K, K, (int16_t *)x16.q + m * K, (float *)x16.scale + m * (K / GROUP),
-                         (float *)x16.sum + m * (K / GROUP));
+        for (int64_t m = 0; m < M; m++) quantize_into_row(x + m * K, x16, m);
     }
     add_gemm(&job, &n, lin, M, K, N, x, x16, y, wide);
     job_run(&job, n);
@@ -1617,9 +1620,7 @@ static float *feature_forward(Job *job, const FeatureStep *s, const int64_t *tok
     for (int64_t j = 0; j < n; j++) {  // [embed(t_j); f_{j-1}], zero-padded to Kp as pad_to_group
         memcpy(in + j * Kp, s->embed + tokens[j] * E, E * sizeof(float));
         memcpy(in + j * Kp + E, features + j * H, H * sizeof(float));
-        if (takes_rows16(&s->fc, H, 0))
-            quantize_row(in + j * Kp, Kp, (int16_t *)in16.q + j * Kp, (float *)in16.scale + j * (Kp / GROUP),
-                         (float *)in16.sum + j * (Kp / GROUP));
+        if (takes_rows16(&s->fc, H, 0)) quantize_into_row(in + j * Kp, in16, j);
     }
     memcpy(a.rope, rope, n * d->head_dim * sizeof(float));
     if (mask) memcpy(a.mask, mask, n * (slot + n) * sizeof(float));

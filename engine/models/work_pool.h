@@ -35,6 +35,7 @@
 #define COUNT_BITS 20                // claim and done words: tag << COUNT_BITS | count
 #define IDLE_SPIN_NS 2000000         // a helper spins this long for the next job, then sleeps
 #define STEAL_GRACE_NS 30000         // a thread waits at least this long before stealing an item
+#define RETIRED_MAX 64               // replaced arenas kept until no late helper can read them
 
 // A grow-only buffer of floats, 64-byte aligned.
 typedef struct { float *p; int64_t cap; } Buffer;
@@ -67,7 +68,7 @@ static struct {
     int64_t phases_used;
     Phase phases[POOL_PHASES];
     Buffer arena;                     // the job's activations; replaced ones wait in `retired`
-    float *retired[64];
+    float *retired[RETIRED_MAX];
     int nretired;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .cur = PHASE_END};
 
@@ -138,6 +139,7 @@ static void commit_item(uint64_t tag, const Phase *p, int64_t i, const float *re
 static void work(Own *own) {
     uint64_t waiting_in = 0;   // the phase this thread found nothing to claim in, and since when
     int64_t waiting_since = 0, last_item_ns = 0;
+    int64_t mark = now_ns();   // this thread's last clock reading: when its next item starts (one reading an item)
     for (;;) {
         const uint64_t tag = atomic_load(&pool.cur);
         const int64_t phase = (int64_t)(tag & 2047);
@@ -153,7 +155,7 @@ static void work(Own *own) {
                 advance(tag);
                 continue;
             }
-            const int64_t t = now_ns();
+            const int64_t t = mark = now_ns();
             if (waiting_in != tag) waiting_in = tag, waiting_since = t;
             if (t - waiting_since < atomic_load(&steal_grace_ns) + 2 * last_item_ns) {
                 _mm_pause();
@@ -166,9 +168,10 @@ static void work(Own *own) {
             }
             atomic_fetch_add(&stolen, 1);
         }
-        const int64_t start = now_ns();
         phase_run(&p, i, result, own);
-        last_item_ns = now_ns() - start;
+        const int64_t end = now_ns();
+        last_item_ns = end - mark;
+        mark = end;
         commit_item(tag, &p, i, result, stole);
     }
 }
@@ -265,9 +268,10 @@ static Job job_begin(void) {
 // At least `floats` floats of the job's arena (its contents are not kept across calls).
 static float *job_arena(Job *j, int64_t floats) {
     if (j->parallel && floats > j->arena->cap && j->arena->p != NULL) {
-        if (atomic_load(&pool.inside) == 0) free_retired();
-        if (atomic_load(&pool.inside) == 0 || pool.nretired == 64) {
+        if (pool.nretired == RETIRED_MAX)  // rare: wait for the late helpers to leave
             while (atomic_load(&pool.inside) > 0) _mm_pause();
+        if (atomic_load(&pool.inside) == 0) {
+            free_retired();
             free(j->arena->p);
         } else {
             pool.retired[pool.nretired++] = j->arena->p;  // a late helper may still read it
