@@ -7,11 +7,18 @@ the token view's re-render). With Chromium on the same 2 cores as the engine, 7 
 kept 0.4-0.5 of a core busy and took a third of the engine's speed (`playground.browser_bench`,
 AMD EPYC Zen 4). A feed message appends the new tokens' spans and sets one line of text.
 
-The page asks for a feed (the Generate click's `js` sets a hidden flag); the handler then opens one
-per run and stops sending Gradio frames once the page is reading it. Gradio still delivers the
-first and the final update (the clickable token view, the details) and the status line when the
-run pauses or resumes (moments the engine is not running), and any other client (gradio_client,
-curl) gets the usual frames. A page that leaves stops its run, as a closed Gradio stream does.
+The page names its feed: the Generate click first runs a browser-only event (no server call, no
+loading-status pass) that sets the streaming status line, empties the token view, puts up the live
+box and hands the server a fresh random feed id (`window.specplayFeed`); the box opens the feed at
+once, and the route waits for the run to register under that id. So the server's handler sends
+Gradio nothing until the final update (the clickable token view, the details), apart from the
+status line when the run pauses or resumes (moments the engine is not running). Each Gradio message
+costs the page a pass over every component's loading status (a deep copy of each one's props) and a
+Svelte flush, on the engine's cores: a first update naming a server-chosen feed was one, at the
+run's start, and a second for a run that follows the page's AR reference run; that second run now
+follows on the same box (the reference run's last message names the next feed). Any other client
+(gradio_client, curl) gets the usual frames. A page that leaves stops its run, as a closed Gradio
+stream does.
 
 The two key charts ride the same feed as lines (`charts.LiveSeries`): each message carries the
 points added since the last one, and the page draws them on a canvas over the chart, replaced
@@ -52,6 +59,9 @@ FIRST_FEED_SECONDS = 0.02  # until the first token is sent, the feed looks this 
 STATUS_EVERY = 2  # feed messages per status-line refresh
 ATTACH_SECONDS = 2.0  # a page that asked for a feed but has not opened it by then gets Gradio frames
 FEED_TTL_SECONDS = 600.0  # an unopened feed is forgotten after this
+FEED_WAIT_SECONDS = 600.0  # how long an opened feed waits for its run to start (queued behind other sessions)
+KEEPALIVE_SECONDS = 15.0  # a comment line this often while it waits, so that no proxy drops the idle stream
+FEED_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")  # what a page may name its feed (window.specplayFeed: 32 hex digits)
 
 
 @dataclass
@@ -63,23 +73,32 @@ class Feed:
     status: Callable[[RunState], str]  # the live line above the tokens (Markdown with **bold**)
     stop_run: Callable[[], None]
     series: Callable[[RunState], dict[str, LiveSeries]] | None = None  # the key charts' live lines, by chart id
+    next_id: str | None = None  # the feed of the run that follows this one if it completes (after an AR reference run)
     opened: threading.Event = field(default_factory=threading.Event)
     created: float = field(default_factory=time.monotonic)
 
 
 class LiveFeeds:
-    """The open feeds, keyed by an unguessable id (the page learns it from the run's first update)."""
+    """The open feeds, keyed by an unguessable id: the page's own random one, or one made here."""
 
     def __init__(self) -> None:
         self._feeds: dict[str, Feed] = {}
         self._lock = threading.Lock()
 
     def open(self, handle: RunHandle, status: Callable[[RunState], str], stop_run: Callable[[], None],
-             series: Callable[[RunState], dict[str, LiveSeries]] | None = None) -> Feed:
-        feed = Feed(secrets.token_urlsafe(16), handle, status, stop_run, series)
+             series: Callable[[RunState], dict[str, LiveSeries]] | None = None, *, feed_id: str | None = None,
+             next_id: str | None = None) -> Feed | None:
+        """Register a run's feed under `feed_id` (None: a new random id). None where the id is not one a
+        page may name, or is taken: that run streams through Gradio instead."""
+        feed = Feed(secrets.token_urlsafe(16) if feed_id is None else feed_id, handle, status, stop_run, series,
+                    next_id)
+        if not FEED_ID.fullmatch(feed.id):
+            return None
         with self._lock:
             for stale in [k for k, f in self._feeds.items() if feed.created - f.created > FEED_TTL_SECONDS]:
                 del self._feeds[stale]
+            if feed.id in self._feeds:
+                return None
             self._feeds[feed.id] = feed
         return feed
 
@@ -87,15 +106,35 @@ class LiveFeeds:
         with self._lock:
             return self._feeds.get(feed_id)
 
+    async def wait_for(self, feed_id: str, timeout: float) -> AsyncIterator[Feed | None]:
+        """Yields None every KEEPALIVE_SECONDS while no run has registered `feed_id`, then the feed;
+        ends without it after `timeout` (the page named a feed for a click that started no run)."""
+        give_up = time.monotonic() + timeout
+        keepalive = time.monotonic() + KEEPALIVE_SECONDS
+        while time.monotonic() < give_up:
+            feed = self.get(feed_id)
+            if feed is not None:
+                yield feed
+                return
+            if time.monotonic() > keepalive:
+                keepalive += KEEPALIVE_SECONDS
+                yield None
+            await asyncio.sleep(FIRST_FEED_SECONDS)
+
     def close(self, feed_id: str) -> None:
         with self._lock:
             self._feeds.pop(feed_id, None)
 
 
+def feed_url(feed_id: str) -> str:
+    """The feed's URL, relative to the page, so it holds behind a proxy that serves the app under a path."""
+    return ROUTE.format(feed_id=feed_id).lstrip("/")
+
+
 def feed_html(feed_id: str) -> str:
-    """The live view's value: an empty token row that the page script fills from the feed. The URL
-    is relative to the page, so it holds behind a proxy that serves the app under a path."""
-    return (f"<div class='live-feed' data-feed='{ROUTE.format(feed_id=feed_id).lstrip('/')}'>"
+    """The live view's value: an empty token row that the page script fills from the feed (the page
+    builds it from this with its own id: `PAGE_JS`)."""
+    return (f"<div class='live-feed' data-feed='{feed_url(feed_id)}'>"
             "<div class='live-status'></div><div class='live-tokens token-view'></div></div>")
 
 
@@ -161,6 +200,8 @@ async def messages(feed: Feed, frame_seconds: float = FEED_SECONDS) -> AsyncIter
             message["paused"] = paused = run.paused
         if done:
             message["done"] = True
+            if feed.next_id is not None and run.completed:
+                message["next"] = feed_url(feed.next_id)
         if cells or len(message) > 1:
             yield message
         if done:
@@ -170,18 +211,26 @@ async def messages(feed: Feed, frame_seconds: float = FEED_SECONDS) -> AsyncIter
 
 
 def add_route(app, feeds: LiveFeeds) -> None:
-    """GET `ROUTE`: the feed as server-sent events. Leaving the page (the stream closes before the
-    run ends) stops the run at its next round boundary."""
+    """GET `ROUTE`: the feed as server-sent events, from the moment its run registers (the page opens
+    it at the click, before the server has the request). Leaving the page (the stream closes before
+    the run ends) stops the run at its next round boundary. A feed whose run never comes ends with
+    `gone`."""
     from fastapi import HTTPException
     from fastapi.responses import StreamingResponse
 
     @app.get(ROUTE)
     async def live(feed_id: str) -> StreamingResponse:
-        feed = feeds.get(feed_id)
-        if feed is None:
-            raise HTTPException(404, "no such run (it ended, or the page was reloaded)")
+        if not FEED_ID.fullmatch(feed_id):
+            raise HTTPException(404, "no such run")
 
         async def stream() -> AsyncIterator[str]:
+            feed = None
+            async for feed in feeds.wait_for(feed_id, FEED_WAIT_SECONDS):
+                if feed is None:
+                    yield ": waiting for the run to start\n\n"
+            if feed is None:
+                yield f"data: {json.dumps({'cells': [], 'done': True, 'gone': True})}\n\n"
+                return
             finished = False
             try:
                 async for message in messages(feed):
@@ -196,23 +245,35 @@ def add_route(app, feeds: LiveFeeds) -> None:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-# The page side: once the live view holds a feed URL, follow it. While it streams, its row stands in
-# for Gradio's token view (hidden, then shown again when the final update empties the live view);
-# each message appends its cells with the token view's classes and colours and sets the live line.
+# The page side: `window.specplayFeed()` gives the Generate click a fresh feed id and its live box
+# (the click's browser-only event puts the box into the live view); once the live view holds a feed
+# URL, follow it. While it streams, its row stands in for Gradio's token view (hidden, then shown
+# again when the final update empties the live view); each message appends its cells with the token
+# view's classes and colours and sets the live line; a last message that names the next run's feed
+# (after the AR reference run) goes on with that one in the same box.
 PAGE_JS = """
 <script>
 (() => {
-  const colours = %s;
+  const colours = %s, template = %s;
+  let active = null;  // [id, box] of the feed this page follows, from the click to its last message
+  window.specplayFeed = () => {
+    if (!active) {
+      const id = [...crypto.getRandomValues(new Uint8Array(16))].map(b => b.toString(16).padStart(2, '0')).join('');
+      active = [id, template.replace('__FEED__', id)];
+    }
+    return active;
+  };
   const escape = (s) => s.replace(/[&<>"']/g, (c) => ({'&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;'}[c]));
   const showGradio = (on) => {
     const el = document.querySelector('#tokens');
     if (el) el.style.display = on ? '' : 'none';
   };
-  const follow = (box) => {
+  const follow = (box, url) => {
     const tokens = box.querySelector('.live-tokens'), status = box.querySelector('.live-status');
-    const source = new EventSource(box.dataset.feed);
+    const source = box.source = new EventSource(url);
     source.onmessage = (event) => {
       const m = JSON.parse(event.data);
+      box.heard = true;
       if (m.cells.length) {
         const following = tokens.scrollTop + tokens.clientHeight >= tokens.scrollHeight - 4;
         tokens.insertAdjacentHTML('beforeend', m.cells.map(([text, s]) =>
@@ -223,9 +284,26 @@ PAGE_JS = """
       for (const [id, s] of Object.entries(m.series || {})) preview(id, s);
       if (m.paused === true) hidePreviews();  // Gradio draws every chart while the run is parked
       if (box.isConnected) showGradio(false);  // (the final update may already have replaced the box)
-      if (m.done) { source.close(); handOver(); }
+      if (m.done) {
+        source.close();
+        if (m.next) {  // the run the AR reference run was for: same box, its own tokens and lines
+          tokens.replaceChildren();
+          hidePreviews(); previews = {};
+          follow(box, m.next);
+        } else if (m.gone) {
+          release(box);
+        } else {
+          active = null; handOver();
+        }
+      }
     };
-    source.onerror = () => { source.close(); handOver(); };
+    source.onerror = () => { source.close(); active = null; handOver(); };
+  };
+  // A click whose run never came (a refused setting, a full queue): Gradio's view back, box hidden.
+  const release = (box) => {
+    if (box.source) box.source.close();
+    box.style.display = 'none';
+    active = null; showGradio(true); hold(false);
   };
   // The key charts' live lines: drawn on a canvas over each chart while the run streams (a Plotly
   // redraw costs the page 20-70 ms of main thread; this, well under one), until Plotly redraws it.
@@ -311,16 +389,19 @@ PAGE_JS = """
   }, true);
   // One cheap query per batch of DOM changes: a new feed box starts following, a removed one (the
   // run's final update) gives the token view back. A click that starts no run (a refused setting, a
-  // full queue) ends in a new Gradio error toast before any feed box: that lets go too. Not a timer: a
-  // run's first update can come seconds after the click on a loaded machine (a model loading).
+  // full queue) ends in a new Gradio error toast while its box has heard nothing: that lets go too.
+  // Not a timer: a run can start seconds after the click on a loaded machine (a model loading).
   let current = null;
   new MutationObserver(() => {
     const box = document.querySelector('#tokens-live [data-feed]');
-    if (box && box !== current) { hidePreviews(); previews = {}; showGradio(false); follow(box); }
-    if (!box && current) { showGradio(true); hold(false); }
-    if (held && !box && !current && countToasts() > toasts) hold(false);
+    if (box && box !== current) { hidePreviews(); previews = {}; showGradio(false); follow(box, box.dataset.feed); }
+    if (!box && current) {
+      if (current.source && current.source.readyState !== 2) { current.source.close(); handOver(); }
+      active = null; showGradio(true); hold(false);
+    }
+    if (held && !(box && box.heard) && countToasts() > toasts) box ? release(box) : hold(false);
     current = box;
   }).observe(document.documentElement, {subtree: true, childList: true});
 })();
 </script>
-""" % json.dumps(STATUS_COLOURS)
+""" % (json.dumps(STATUS_COLOURS), json.dumps(feed_html("__FEED__")))

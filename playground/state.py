@@ -77,6 +77,11 @@ class RunState:
         return self.start is not None and self.finish is None and not self.error
 
     @property
+    def completed(self) -> bool:
+        """Ended by the engine on its own (EOS or the token limit), not stopped and not failed."""
+        return self.finish is not None and self.finish.reason != "stopped" and not self.error
+
+    @property
     def token_ids(self) -> list[int]:
         return [t.token_id for t in self.tokens]
 

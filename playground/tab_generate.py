@@ -8,6 +8,7 @@ can change δ, K or SSD's fan-out and watch exactly one round under the new sett
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 
@@ -15,7 +16,7 @@ import gradio as gr
 
 from playground import charts
 from playground.inspector import inspect_figure, inspect_markdown
-from playground.live_feed import ATTACH_SECONDS, feed_html
+from playground.live_feed import ATTACH_SECONDS
 from playground.limits import DEFAULT_PROMPT, DEFAULT_SETTINGS, MAX_SSD_BUDGET, METHOD_LABELS, SSD_RULES, UI_METHODS, build_config
 from playground.page import ENGINE_QUEUE, HANG_GUARD_SECONDS, Page
 from playground.runner import VLLM_TARGET_NAMES, ar_reference_config, start_session_run, wants_ar_reference_run
@@ -87,7 +88,7 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
                 status = gr.Markdown("Ready.", elem_id="status")
                 live = gr.HTML("", elem_id="tokens-live", padding=False)  # the live feed while a run streams
                 tokens = token_view("Output (click a token to inspect it)", elem_id="tokens")
-            wants_feed = gr.Checkbox(False, visible=False)  # set by the page's click script (API calls: False)
+            feed_id = gr.Textbox("", visible=False)  # the page's live feed, named by its click (API calls: none)
             gr.Markdown(legend())
             plots = []
             with gr.Row():
@@ -124,33 +125,36 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
 
     def generate(prompt_text, method_v, k_v, delta_v, temp_v, top_p_v, top_k_v, eps_v, alpha_v, max_new_v,
                  seed_v, rule_v="sps", fanout_mode_v="uniform", budget_v=15, c_v=1.0, backup_v="neural",
-                 wants_feed_v=False, request: gr.Request = None):
+                 feed_v="", request: gr.Request = None):
         cfg, prompt_ids = page.validated(prompt_text, method=method_v, k=k_v, delta=delta_v,
                                          posterior_threshold=eps_v, posterior_alpha=alpha_v, temperature=temp_v,
                                          top_p=top_p_v, top_k=top_k_v, max_new_tokens=max_new_v, seed=seed_v,
                                          ssd_rule=rule_v, fanout_mode=fanout_mode_v, budget=budget_v,
                                          downweight_c=c_v, backup=backup_v)
         session = page.session(request)
-        if wants_feed_v and wants_ar_reference_run(session, cfg):  # a page's first speculative run
+        if feed_v and wants_ar_reference_run(session, cfg):  # a page's first speculative run
             session.ar_reference_run = True
             # Short: the live line must not wrap anew as its numbers grow (that moves the page below it).
             lead = f"**AR reference run** for {METHOD_LABELS[method_v]}'s × AR · "
-            run = yield from on_page(session, ar_reference_config(cfg), prompt_ids, lead=lead)
-            if run.finish is None or run.finish.reason == "stopped":
+            # The run asked for follows on the page's box, on a feed named after this one.
+            run = yield from on_page(session, ar_reference_config(cfg), prompt_ids, lead=lead, feed_id=feed_v,
+                                     next_id=f"{feed_v}-run")
+            if not run.completed:
                 yield final_update(session, run, lead)
                 return
             live = session.control  # knobs turned during the reference run hold for the run asked for
             cfg = replace(cfg, **{name: getattr(live, name) for name in LIVE_FIELDS})
-        run = yield from on_page(session, cfg, prompt_ids, ssd=method_v == "ssd", feed=wants_feed_v)
+            feed_v = f"{feed_v}-run"
+        run = yield from on_page(session, cfg, prompt_ids, ssd=method_v == "ssd", feed_id=feed_v)
         yield final_update(session, run)
 
-    def on_page(session, cfg, prompt_ids, *, ssd=False, feed=True, lead=""):
-        """Stream one session run to the page (over the live feed where the page reads one) and
-        return its final state; the caller sends the final update. `lead`: the AR reference run's
+    def on_page(session, cfg, prompt_ids, *, ssd=False, feed_id="", next_id=None, lead=""):
+        """Stream one session run to the page (over the live feed `feed_id` where the page named one)
+        and return its final state; the caller sends the final update. `lead`: the AR reference run's
         words before its status lines."""
         runs = start_session_run(ctx, session, cfg, prompt_ids, ssd=ssd, reference_run=bool(lead))
         run, live_feed = next(runs), None
-        if feed:  # the page streams tokens from the live feed; Gradio updates the status line only
+        if feed_id:  # the page streams tokens from the live feed; Gradio updates the status line only
             handle, loop = session.handle, loop_of(session)  # when the run pauses, resumes or ends
 
             def live_lines(r: RunState) -> dict[str, charts.LiveSeries]:
@@ -158,8 +162,7 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
                 return charts.live_series(r, reference.tokens_per_s if reference else None)
 
             live_feed = ctx.feeds.open(handle, lambda r: lead + progress_line(r, ctx.reference_for(session)),
-                                       lambda: loop.stop(handle), live_lines)
-            yield [], STREAMING_STATUS, gr.skip(), gr.skip(), feed_html(live_feed.id)
+                                       lambda: loop.stop(handle), live_lines, feed_id=feed_id, next_id=next_id)
         shown, frames, paused = None, 0, False
         for run in runs:
             if live_feed is not None and (live_feed.opened.is_set()
@@ -174,8 +177,11 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
                 shown, frames = frame, frames + 1
                 # The status line is Markdown (costly to re-render in the browser): every third frame.
                 status_now = frames % STATUS_EVERY == 1 or run.paused
+                # The first frame empties the live view: a page whose feed this run does not use gets
+                # its token view back.
                 yield (highlighted_tokens(run), lead + status_line(run, ctx.reference_for(session)) if status_now
-                       else gr.skip(), gr.skip(), gr.Timer(active=True) if frames == 1 else gr.skip(), gr.skip())
+                       else gr.skip(), gr.skip(), gr.Timer(active=True) if frames == 1 else gr.skip(),
+                       "" if frames == 1 else gr.skip())
         return run
 
     def final_update(session, run, lead=""):
@@ -243,10 +249,14 @@ def build(page: Page, demo: gr.Blocks) -> dict[str, gr.components.Component]:
 
     gen_inputs = [prompt, method, k, delta, temperature, top_p, top_k, eps, alpha, max_new, seed]
     ssd_inputs = [ssd_rule, fanout_mode, budget, downweight_c, backup]
-    gen_event = generate_btn.click(
-        generate, gen_inputs + ssd_inputs + [wants_feed], [tokens, status, run_details, timer, live],
-        api_name="generate", js="(...inputs) => [...inputs.slice(0, -1), true]",
-        concurrency_limit=limits.concurrency, concurrency_id=ENGINE_QUEUE,
+    # The click first runs in the browser alone (live_feed.PAGE_JS): the streaming status line, an
+    # empty token view and the live box on the page's own feed, before the server has the request.
+    start_js = ("() => { const [id, box] = window.specplayFeed ? window.specplayFeed() : ['', '']; "
+                f"return [[], {json.dumps(STREAMING_STATUS)}, box, id]; }}")
+    gen_event = generate_btn.click(None, None, [tokens, status, live, feed_id], js=start_js, queue=False,
+                                   show_progress="hidden").then(
+        generate, gen_inputs + ssd_inputs + [feed_id], [tokens, status, run_details, timer, live],
+        api_name="generate", concurrency_limit=limits.concurrency, concurrency_id=ENGINE_QUEUE,
         time_limit=int(limits.max_seconds) + 30, show_progress="hidden",  # a spinner repaints every frame
     )
     gen_event.then(final_charts, None, [*plots, timer], api_visibility="private", concurrency_limit=None,

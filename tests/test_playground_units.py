@@ -20,7 +20,7 @@ from playground.runner import (
     ar_reference_config, compare_table, run_compare, run_sweep, start_run, start_session_run, stream_run, sweep_points,
     sweep_table, tokens_csv, wants_ar_reference_run,
 )
-from playground.session import Session, SessionStore, apply_live_change
+from playground.session import Session, apply_live_change
 from playground.state import RunState, highlighted_tokens, reduce, summary
 from playground.tutor import STAGES, explain_stage, round_tokens
 from playground.views import progress_line
@@ -449,6 +449,76 @@ def test_the_live_feed_carries_every_token_once_in_order_and_ends_with_the_run(t
     cells = [cell for m in sent for cell in m["cells"]]
     assert cells == [list(c) for c in highlighted_tokens(handle.state())] and len(cells) > 0
     assert "finished" in sent[-1]["status"] and "<b>" in sent[-1]["status"]  # Markdown bold as HTML
+
+
+def test_a_page_names_its_feed_and_a_run_after_the_ar_reference_run_follows_on_from_it(tiny_pair):
+    """The page picks its feed's id at the click (the server has not seen the request yet): a run
+    registers under it, a second run cannot take it, and an id a page could not have made is
+    refused (that run streams through Gradio). The AR reference run's last message names the feed
+    of the run it was for, where it completed; a stopped one names none."""
+    import asyncio
+    from dataclasses import replace
+
+    from engine.events import FinishEvent
+    from playground.engine_loop import RunHandle
+    from playground.live_feed import LiveFeeds, feed_url, messages
+
+    cfg = SpecConfig(method="ar", temperature=0.8, top_k=20, max_new_tokens=6, seed=1)
+    events = list(generate(tiny_pair.make_target(), None, tiny_pair.tokenizer, tiny_pair.encode_prompt("hi"), cfg,
+                           eos_token_ids=frozenset()))
+    feeds = LiveFeeds()
+
+    def finished_run(last_events: list) -> RunHandle:
+        handle = RunHandle(lambda: iter(()), RunState(method="ar"), time.monotonic() + 600)
+        handle.events[:] = last_events
+        handle.done.set()
+        return handle
+
+    page_id = "0123456789abcdef0123456789abcdef"
+    feed = feeds.open(finished_run(events), lambda r: "", lambda: None, feed_id=page_id, next_id=page_id + "-run")
+    assert feed is not None and feeds.get(page_id) is feed
+    assert feeds.open(finished_run(events), lambda r: "", lambda: None, feed_id=page_id) is None
+    assert feeds.open(finished_run(events), lambda r: "", lambda: None, feed_id="../x") is None
+
+    async def last(f) -> dict:
+        return [m async for m in messages(f, frame_seconds=0)][-1]
+
+    assert asyncio.run(last(feed))["next"] == feed_url(page_id + "-run") == f"specplay/live/{page_id}-run"
+    stopped = [e for e in events if not isinstance(e, FinishEvent)] + [replace(events[-1], reason="stopped")]
+    other = feeds.open(finished_run(stopped), lambda r: "", lambda: None, feed_id="f" * 32, next_id="g" * 32)
+    assert "next" not in asyncio.run(last(other))
+
+
+def test_a_feed_opened_before_its_run_waits_for_it_with_keepalives_then_gives_up(monkeypatch):
+    """The page opens its feed at the click; the route waits until a run registers the id (the
+    request may still be queued), says it is waiting every KEEPALIVE_SECONDS, and gives up after
+    its timeout. Each of the waits is recorded, not slept: the run registers at the fourth look."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from playground import live_feed
+    from playground.engine_loop import RunHandle
+
+    feeds, looks = live_feed.LiveFeeds(), []
+    clock = [0.0]
+    monkeypatch.setattr(live_feed, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    handle = RunHandle(lambda: iter(()), RunState(method="ar"), 600.0)
+
+    async def recorded(seconds: float) -> None:
+        looks.append(seconds)
+        clock[0] += live_feed.KEEPALIVE_SECONDS * 0.6
+        if len(looks) == 4:
+            feeds.open(handle, lambda r: "", lambda: None, feed_id="a" * 32)
+
+    async def collect(feed_id: str, timeout: float) -> list:
+        return [f async for f in feeds.wait_for(feed_id, timeout)]
+
+    monkeypatch.setattr(asyncio, "sleep", recorded)
+    got = asyncio.run(collect("a" * 32, 1e9))
+    assert got[-1] is feeds.get("a" * 32) and got[:-1] == [None] and len(looks) == 4
+    looks.clear()
+    assert all(f is None for f in asyncio.run(collect("b" * 32, 10 * live_feed.KEEPALIVE_SECONDS)))
+    assert len(looks) == 17  # 0.6 of a keepalive a look: the 17th passes the timeout
 
 
 def test_the_live_feed_looks_often_until_the_first_token_then_at_its_cadence(tiny_pair, monkeypatch):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -193,58 +193,75 @@ def test_ssd_fanout_and_c_change_while_paused(playground_url):
     assert details["token_ids"] == _direct("The sea is", "ar", 0, 24, temperature=0.0)
 
 
-def test_a_run_on_the_live_feed_sends_gradio_its_first_and_final_updates_only(playground_url):
-    """While the page reads the feed, Gradio sends nothing between the feed box and the final
-    update: each Gradio update costs the browser's main thread tens of milliseconds on the engine's
-    cores (an update at the first round, restating the status line, was one). The session has run
-    AR, so its first Cactus run from the page needs no AR reference run before it."""
+def _feed_messages(playground_url: str, feed_id: str, until) -> list[dict]:
+    """The feed the page named `feed_id`, read from its opening (before or after its run starts)
+    until a message satisfies `until` (then the stream is closed) or the feed ends."""
     import urllib.parse
     import urllib.request
 
-    from playground.views import STREAMING_STATUS
+    from playground.live_feed import feed_url
 
+    read = []
+    with urllib.request.urlopen(urllib.parse.urljoin(playground_url + "/", feed_url(feed_id)), timeout=60) as stream:
+        for line in stream:
+            if line.startswith(b"data: "):
+                read.append(json.loads(line[len(b"data: "):]))
+                if until(read[-1]) or read[-1].get("done"):
+                    break
+    return read
+
+
+def test_a_run_on_the_live_feed_sends_gradio_its_final_update_only(playground_url):
+    """The page names its feed at the click, so Gradio sends nothing until the final update: each
+    Gradio update costs the browser's main thread tens of milliseconds on the engine's cores (an
+    update at the first round naming a feed, and one restating the status line, were two). The feed
+    is opened before the request reaches the server, as the page opens it. The session has run AR,
+    so its first Cactus run needs no AR reference run before it."""
     client = _client(playground_url)
     ar = list(ARGS)
     ar[1], ar[9] = "ar", 32  # long enough to be the session's reference
     client.predict(*ar, api_name="/generate")
-    job = client.submit(*ARGS, "sps", "uniform", 15, 1.0, "neural", True, api_name="/generate")
-    _wait_for_output(job)
-    first = job.outputs()[0]
-    feed = re.search(r"data-feed='([^']+)'", first[4]).group(1)
-    with urllib.request.urlopen(urllib.parse.urljoin(playground_url + "/", feed), timeout=60) as stream:
-        for line in stream:
-            if line.startswith(b"data: ") and json.loads(line[len(b"data: "):]).get("done"):
-                break
+    feed_id = "c0ffee" * 5 + "00"
+    read = []
+    reader = threading.Thread(target=lambda: read.extend(_feed_messages(playground_url, feed_id, lambda m: False)))
+    reader.start()
+    job = client.submit(*ARGS, "sps", "uniform", 15, 1.0, "neural", feed_id, api_name="/generate")
     _, status, details, _, live = job.result(timeout=120)
+    reader.join(timeout=120)
     assert details["finish_reason"] == "max_new_tokens" and live == "", status
-    assert first[1] == STREAMING_STATUS
-    assert len(job.outputs()) == 2
+    assert read[-1]["done"] and "next" not in read[-1]
+    assert [t for m in read for t, _ in m["cells"]] and len(details["token_ids"]) == 24
+    assert len(job.outputs()) == 1
+
+
+def test_the_run_after_a_pages_ar_reference_run_follows_on_its_feed(playground_url):
+    """A fresh session's first Cactus run from the page starts with the AR reference run on the
+    page's feed; that feed's last message names the feed of the Cactus run, which carries its
+    tokens; Gradio still sends the final update only."""
+    client = _client(playground_url)
+    feed_id = "5eed" * 8
+    job = client.submit(*ARGS, "sps", "uniform", 15, 1.0, "neural", feed_id, api_name="/generate")
+    reference = _feed_messages(playground_url, feed_id, lambda m: False)
+    assert reference[-1]["done"] and reference[-1]["next"].endswith(feed_id + "-run")
+    assert "AR reference run" in reference[-1]["status"]
+    cactus = _feed_messages(playground_url, feed_id + "-run", lambda m: False)
+    _, status, details, _, live = job.result(timeout=120)
+    assert details["method"] == "cactus" and cactus[-1]["done"] and "next" not in cactus[-1], status
+    assert [c for m in cactus for c in m["cells"]] and len(job.outputs()) == 1
 
 
 def test_a_page_that_leaves_its_live_feed_stops_its_run(playground_url):
-    """A click from the page asks for a live feed (the hidden flag): the run's first update names
-    it, the feed streams the run's tokens as server-sent events, and closing it before the run
-    ends stops the run, as closing a Gradio stream does. Pause is armed, so the run is parked
-    after round 0 while the feed is read: no timing."""
-    import urllib.parse
-    import urllib.request
-
+    """A click from the page names a live feed: the feed streams the run's tokens as server-sent
+    events, and closing it before the run ends stops the run, as closing a Gradio stream does.
+    Pause is armed, so the run is parked after round 0 while the feed is read: no timing."""
     client = _client(playground_url)
-    args = list(ARGS) + ["sps", "uniform", 15, 1.0, "neural", True]  # SSD settings, then wants_feed
+    feed_id = "1eave" + "0" * 27
+    args = list(ARGS) + ["sps", "uniform", 15, 1.0, "neural", feed_id]  # SSD settings, then the feed
     args[9] = 256
     assert "armed" in client.predict(api_name="/pause")
     job = client.submit(*args, api_name="/generate")
-    _wait_for_output(job)
-    feed = re.search(r"data-feed='([^']+)'", job.outputs()[0][4]).group(1)
-    cells = []
-    with urllib.request.urlopen(urllib.parse.urljoin(playground_url + "/", feed), timeout=60) as stream:
-        for line in stream:  # until the live line says the run is parked (the feed may open before round 0 ends)
-            if line.startswith(b"data: "):
-                message = json.loads(line[len(b"data: "):])
-                cells += message["cells"]
-                if "paused" in message.get("status", ""):
-                    break
-    assert len(cells) >= 1  # round 0's tokens
+    read = _feed_messages(playground_url, feed_id, lambda m: "paused" in m.get("status", ""))
+    assert len([c for m in read for c in m["cells"]]) >= 1  # round 0's tokens
     _, status, details, _, live = job.result(timeout=120)
     assert details["finish_reason"] == "stopped" and live == "", status
     assert details["metrics"]["num_rounds"] == 1

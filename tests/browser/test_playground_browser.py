@@ -277,15 +277,22 @@ def _runs_keep_the_charts_in_place(page, expect) -> None:
 
 
 def test_a_refused_generate_click_does_not_keep_the_run_views_height(page):
-    """The click holds the status line and token area at their height for the run to come; a click
-    the server refuses (a prompt over the token limit) starts no run, and the page lets go."""
+    """The click holds the status line and token area at their height for the run to come, and puts
+    up the live box on the page's feed; a click the server refuses (a prompt over the token limit)
+    starts no run, and the page lets go: the feed closed, its box hidden, the token view back."""
     page.fill("#prompt textarea", "word " * 2000)
     held = page.evaluate("""() => {
         document.querySelector('#generate-btn').click();  // the page's click listener runs inside this
         return document.querySelector('#run-view').style.minHeight; }""")
     assert held.endswith("px")
+    page.wait_for_selector("#tokens-live [data-feed]", state="attached")
     page.wait_for_selector(".toast-body")  # Gradio's error toast: the refusal
     page.wait_for_function("document.querySelector('#run-view').style.minHeight === ''")
+    box = page.evaluate("""() => {
+        const box = document.querySelector('#tokens-live [data-feed]');
+        return [box.source.readyState, box.style.display]; }""")
+    assert box == [2, "none"]  # EventSource.CLOSED
+    assert page.evaluate("getComputedStyle(document.querySelector('#tokens')).display") != "none"
 
 
 def test_the_status_trackers_clock_ticks_ten_times_a_second_not_every_frame(page):
