@@ -170,10 +170,10 @@ def _series_delta(series: dict[str, LiveSeries], sent: dict[str, int], shown: di
 async def messages(feed: Feed, frame_seconds: float = FEED_SECONDS) -> AsyncIterator[dict]:
     """What the page is sent, every `frame_seconds` (every `FIRST_FEED_SECONDS` until the first token):
     the cells ([text, status]) the run added since the last message and, where it changed (looked at
-    every `STATUS_EVERY` messages, and at every one while paused), the live line; while the run
-    streams, the key charts' new points (`series`); `paused` when the run parks or goes on (Gradio
-    draws every chart while it is parked); the last has done=True (the final Gradio update draws every chart). Nothing
-    new, nothing sent. The run's events are folded, and the lines built, on a worker thread (the
+    every `STATUS_EVERY` messages, with the first tokens, and at every one while paused), the live
+    line; while the run streams, the key charts' new points (`series`); `paused` when the run parks
+    or goes on (Gradio draws every chart while it is parked); the last has done=True (the final
+    Gradio update draws every chart). Nothing new, nothing sent. The run's events are folded, and the lines built, on a worker thread (the
     divergences of a round are computed there), never on the server's event loop; that time is
     inside the frame, so messages keep the cadence whatever a fold costs."""
     feed.opened.set()
@@ -186,10 +186,11 @@ async def messages(feed: Feed, frame_seconds: float = FEED_SECONDS) -> AsyncIter
         streaming = not done and not feed.handle.parked
         run, series = await asyncio.to_thread(_fold, feed, streaming)
         cells = [[t.text or EMPTY_TOKEN_TEXT, t.status] for t in run.tokens[sent:]]
+        first_tokens = cells and not sent  # the line said "starting…" until now
         sent += len(cells)
         count += 1
         message: dict = {"cells": cells}
-        if done or count % STATUS_EVERY == 1 or run.paused:
+        if done or count % STATUS_EVERY == 1 or run.paused or first_tokens:
             status = status_html(feed.status(run))
             if status != shown or done:  # the last message always carries the final line
                 message["status"] = shown = status

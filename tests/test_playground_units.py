@@ -552,6 +552,7 @@ def test_the_live_feed_looks_often_until_the_first_token_then_at_its_cadence(tin
     first = live_feed.FIRST_FEED_SECONDS  # each wait is what is left of its frame after the look
     assert len(waits) == 5 and all(0 <= w <= first for w in waits[:3]) and all(first < w <= 10.0 for w in waits[3:])
     assert sum(len(m["cells"]) for m in sent) == 12 and sent[-1]["done"]
+    assert next(m for m in sent if m["cells"])["status"] == "12 tokens"  # the first tokens bring the live line
 
 
 def test_the_live_feed_sends_each_point_of_the_key_charts_lines_once_while_the_run_streams(tiny_pair):
