@@ -12,8 +12,11 @@ each page run against the engine-only run just before it, and each ratio); "× A
 the page's status line reads it (against this session's own AR run, when AR is among the methods), and
 as a fresh page's first run of the method reads it (after the AR reference run that run starts with); the rate the browser saw tokens arrive;
 time to first token (click to first token drawn); the longest gap between token-view updates
-after the first token; the longest main-thread task Chromium reported; and the cores Chromium kept
-busy during the run (its CPU seconds over the run's wall time: what it took from the engine).
+after the first token; the longest main-thread task Chromium reported; the cores Chromium kept
+busy during the run (its CPU seconds over the run's wall time: what it took from the engine); and
+its CPU ms a run, click to "finished". That last one is the steadiest measure of a page-side change on
+a noisy VM: session 38's feed change read 635 -> 590 ms a run where the speed ratios' repeats spread
+0.70-1.35.
 
 Run by hand on a quiet machine (not in CI): `flock -x /tmp/specplay-cpu.lock python -m playground.browser_bench`.
 `--browser-nice 19` starts Chromium at the lowest priority, the nearest this machine gets to a
@@ -134,7 +137,7 @@ def start_server(pair: str, port: int, log: Path) -> subprocess.Popen:
 
 def page_run(page, method: str) -> dict:
     """One Generate click at the defaults; the page's own tok/s, the browser's view of the stream
-    and the cores Chromium kept busy meanwhile (CPU seconds over the run's wall time)."""
+    and the cores Chromium kept busy meanwhile (CPU seconds over the run's wall time, and in all)."""
     page.get_by_label(METHOD_LABELS[method]).check()
     # A method change re-renders the vLLM config's code view and the SSD controls (a server call and
     # ~50 ms of main thread). A visitor picks the method before reaching for Generate; clicking in the
@@ -145,7 +148,7 @@ def page_run(page, method: str) -> dict:
     # Polled every 250 ms, not every animation frame: a rAF poll makes the page draw 60 frames a
     # second on the engine's cores, a cost no real visitor's browser adds.
     page.wait_for_function("window.__done", timeout=RUN_GUARD_MS, polling=250)
-    browser_cores = (browser_cpu_seconds() - cpu_before) / (time.monotonic() - wall_before)
+    browser_cpu, wall = browser_cpu_seconds() - cpu_before, time.monotonic() - wall_before
     marks, t0, longest = page.evaluate("[window.__marks, window.__t0, window.__longest]")
     settle()
     marks = [(t, n) for t, n in marks if n > 0]
@@ -159,7 +162,7 @@ def page_run(page, method: str) -> dict:
             "tokens": marks[-1][1], "first_token_s": (times[0] - t0) / 1e3,
             "longest_gap_s": max(gaps, default=0.0) / 1e3,
             "seen_tps": (marks[-1][1] - marks[0][1]) / span if span else None, "long_task_ms": longest,
-            "browser_cores": browser_cores}
+            "browser_cores": browser_cpu / wall, "browser_cpu_ms": 1e3 * browser_cpu}
 
 
 def first_run_x_ar(browser, url: str, method: str) -> float | None:
@@ -306,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
           f"Chromium at nice {args.browser_nice}")
     print(f"{'method':8} {'engine tok/s':>12} {'API tok/s':>9} {'page tok/s':>10} {'ratio':>6} {'x AR engine':>11} {'x AR page':>9} "
           f"{'x AR 1st run':>12} {'seen tok/s':>10} {'1st token s':>11} {'longest gap s':>13} {'long task ms':>12} "
-          f"{'browser cores':>13}  page/engine per repeat")
+          f"{'browser cores':>13} {'browser CPU ms':>14}  page/engine per repeat")
     # Ratios are medians of per-repeat ratios (each page run against the engine-only run just before
     # it; each method against AR in the same repeat), so the VM's drift between repeats cancels.
     for method, results in rows.items():
@@ -321,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{statistics.median(ratios):6.2f} {x_ar_engine:11.2f} {med('x_ar'):9.2f} "
               f"{_median(first_runs.get(method, [])):12.2f} "
               f"{med('seen_tps'):10.1f} {med('first_token_s'):11.2f} {max(r['longest_gap_s'] for _, r in results):13.2f} "
-              f"{max(r['long_task_ms'] for _, r in results):12.0f} {med('browser_cores'):13.2f}  "
+              f"{max(r['long_task_ms'] for _, r in results):12.0f} {med('browser_cores'):13.2f} "
+              f"{med('browser_cpu_ms'):14.0f}  "
               + " / ".join(f"{x:.2f}" for x in ratios))
     for method, busy in traces.items():
         alone = not any(decode for _, decode in busy.values())  # every token in one update
