@@ -83,6 +83,7 @@ class LiveFeeds:
 
     def __init__(self) -> None:
         self._feeds: dict[str, Feed] = {}
+        self._waiting: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}  # opened, not yet registered
         self._lock = threading.Lock()
 
     def open(self, handle: RunHandle, status: Callable[[RunState], str], stop_run: Callable[[], None],
@@ -100,6 +101,8 @@ class LiveFeeds:
             if feed.id in self._feeds:
                 return None
             self._feeds[feed.id] = feed
+            for loop, registered in self._waiting.pop(feed.id, []):
+                loop.call_soon_threadsafe(registered.set)
         return feed
 
     def get(self, feed_id: str) -> Feed | None:
@@ -108,18 +111,34 @@ class LiveFeeds:
 
     async def wait_for(self, feed_id: str, timeout: float) -> AsyncIterator[Feed | None]:
         """Yields None every KEEPALIVE_SECONDS while no run has registered `feed_id`, then the feed;
-        ends without it after `timeout` (the page named a feed for a click that started no run)."""
-        give_up = time.monotonic() + timeout
-        keepalive = time.monotonic() + KEEPALIVE_SECONDS
-        while time.monotonic() < give_up:
-            feed = self.get(feed_id)
-            if feed is not None:
-                yield feed
-                return
-            if time.monotonic() > keepalive:
-                keepalive += KEEPALIVE_SECONDS
-                yield None
-            await asyncio.sleep(FIRST_FEED_SECONDS)
+        ends without it after `timeout` (the page named a feed for a click that started no run).
+        Woken by the registration itself (`open`, on a handler's thread), not by polling: a page
+        whose run waits in the queue costs the server nothing until it starts."""
+        registered = asyncio.Event()
+        waiter = (asyncio.get_running_loop(), registered)
+        with self._lock:
+            feed = self._feeds.get(feed_id)
+            if feed is None:
+                self._waiting.setdefault(feed_id, []).append(waiter)
+        try:
+            give_up = time.monotonic() + timeout
+            while feed is None:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    return
+                try:
+                    await asyncio.wait_for(registered.wait(), min(KEEPALIVE_SECONDS, left))
+                    feed = self.get(feed_id)
+                except TimeoutError:
+                    yield None
+            yield feed
+        finally:
+            with self._lock:
+                waiters = self._waiting.get(feed_id, [])
+                if waiter in waiters:
+                    waiters.remove(waiter)
+                if not waiters:
+                    self._waiting.pop(feed_id, None)
 
     def close(self, feed_id: str) -> None:
         with self._lock:

@@ -489,36 +489,43 @@ def test_a_page_names_its_feed_and_a_run_after_the_ar_reference_run_follows_on_f
     assert "next" not in asyncio.run(last(other))
 
 
-def test_a_feed_opened_before_its_run_waits_for_it_with_keepalives_then_gives_up(monkeypatch):
+def test_a_feed_opened_before_its_run_is_woken_by_the_registration_and_otherwise_gives_up(monkeypatch):
     """The page opens its feed at the click; the route waits until a run registers the id (the
-    request may still be queued), says it is waiting every KEEPALIVE_SECONDS, and gives up after
-    its timeout. Each of the waits is recorded, not slept: the run registers at the fourth look."""
+    request may still be queued). The registration itself wakes it, from a handler's thread, with
+    no polling in between; a feed whose run never comes sends keep-alives and then gives up."""
     import asyncio
-    from types import SimpleNamespace
 
     from playground import live_feed
     from playground.engine_loop import RunHandle
 
-    feeds, looks = live_feed.LiveFeeds(), []
-    clock = [0.0]
-    monkeypatch.setattr(live_feed, "time", SimpleNamespace(monotonic=lambda: clock[0]))
-    handle = RunHandle(lambda: iter(()), RunState(method="ar"), 600.0)
+    feeds = live_feed.LiveFeeds()
+    handle = RunHandle(lambda: iter(()), RunState(method="ar"), time.monotonic() + 600)
 
-    async def recorded(seconds: float) -> None:
-        looks.append(seconds)
-        clock[0] += live_feed.KEEPALIVE_SECONDS * 0.6
-        if len(looks) == 4:
-            feeds.open(handle, lambda r: "", lambda: None, feed_id="a" * 32)
+    async def woken() -> list:
+        got = []
 
-    async def collect(feed_id: str, timeout: float) -> list:
-        return [f async for f in feeds.wait_for(feed_id, timeout)]
+        async def collect() -> None:
+            got.extend([f async for f in feeds.wait_for("a" * 32, 1e6)])
 
-    monkeypatch.setattr(asyncio, "sleep", recorded)
-    got = asyncio.run(collect("a" * 32, 1e9))
-    assert got[-1] is feeds.get("a" * 32) and got[:-1] == [None] and len(looks) == 4
-    looks.clear()
-    assert all(f is None for f in asyncio.run(collect("b" * 32, 10 * live_feed.KEEPALIVE_SECONDS)))
-    assert len(looks) == 17  # 0.6 of a keepalive a look: the 17th passes the timeout
+        task = asyncio.create_task(collect())
+        while not feeds._waiting:  # the waiter is in place
+            await asyncio.sleep(0)
+        registering = threading.Thread(target=feeds.open, args=(handle, lambda r: "", lambda: None),
+                                       kwargs={"feed_id": "a" * 32})
+        registering.start()
+        await task
+        registering.join()
+        return got
+
+    got = asyncio.run(woken())
+    assert got == [feeds.get("a" * 32)] and got[0] is not None and not feeds._waiting
+    monkeypatch.setattr(live_feed, "KEEPALIVE_SECONDS", 0.01)
+
+    async def never() -> list:
+        return [f async for f in feeds.wait_for("b" * 32, 0.03)]
+
+    gave_up = asyncio.run(never())
+    assert gave_up and all(f is None for f in gave_up) and not feeds._waiting
 
 
 def test_the_live_feed_looks_often_until_the_first_token_then_at_its_cadence(tiny_pair, monkeypatch):
