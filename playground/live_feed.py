@@ -83,7 +83,8 @@ class LiveFeeds:
 
     def __init__(self) -> None:
         self._feeds: dict[str, Feed] = {}
-        self._waiting: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}  # opened, not yet registered
+        # feeds a page opened before their run registered: the waiters' loops and events, by id
+        self._waiting: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._lock = threading.Lock()
 
     def open(self, handle: RunHandle, status: Callable[[RunState], str], stop_run: Callable[[], None],
@@ -192,9 +193,10 @@ async def messages(feed: Feed, frame_seconds: float = FEED_SECONDS) -> AsyncIter
     every `STATUS_EVERY` messages, with the first tokens, and at every one while paused), the live
     line; while the run streams, the key charts' new points (`series`); `paused` when the run parks
     or goes on (Gradio draws every chart while it is parked); the last has done=True (the final
-    Gradio update draws every chart). Nothing new, nothing sent. The run's events are folded, and the lines built, on a worker thread (the
-    divergences of a round are computed there), never on the server's event loop; that time is
-    inside the frame, so messages keep the cadence whatever a fold costs."""
+    Gradio update draws every chart) and, after an AR reference run that completed, `next`: the feed
+    of the run it was for. Nothing new, nothing sent. The run's events are folded, and the lines
+    built, on a worker thread (the divergences of a round are computed there), never on the server's
+    event loop; that time is inside the frame, so messages keep the cadence whatever a fold costs."""
     feed.opened.set()
     sent, count, shown, paused = 0, 0, None, False
     points_sent: dict[str, int] = {}
