@@ -494,6 +494,7 @@ def test_a_feed_opened_before_its_run_is_woken_by_the_registration_and_otherwise
     request may still be queued). The registration itself wakes it, from a handler's thread, with
     no polling in between; a feed whose run never comes sends keep-alives and then gives up."""
     import asyncio
+    from types import SimpleNamespace
 
     from playground import live_feed
     from playground.engine_loop import RunHandle
@@ -519,13 +520,22 @@ def test_a_feed_opened_before_its_run_is_woken_by_the_registration_and_otherwise
 
     got = asyncio.run(woken())
     assert got == [feeds.get("a" * 32)] and got[0] is not None and not feeds._waiting
-    monkeypatch.setattr(live_feed, "KEEPALIVE_SECONDS", 0.01)
+    # A run that never comes: each wait runs out at once on a clock of its own (no real time), so the
+    # feed waits 15 + 15 + 10 s of a 40 s timeout, a keep-alive after each, then gives up.
+    clock = [0.0]
+
+    async def runs_out(awaitable, timeout: float):
+        awaitable.close()
+        clock[0] += timeout
+        raise TimeoutError
+
+    monkeypatch.setattr(live_feed, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(live_feed.asyncio, "wait_for", runs_out)
 
     async def never() -> list:
-        return [f async for f in feeds.wait_for("b" * 32, 0.03)]
+        return [f async for f in feeds.wait_for("b" * 32, 40.0)]
 
-    gave_up = asyncio.run(never())
-    assert gave_up and all(f is None for f in gave_up) and not feeds._waiting
+    assert asyncio.run(never()) == [None, None, None] and clock[0] == 40.0 and not feeds._waiting
 
 
 def test_the_live_feed_looks_often_until_the_first_token_then_at_its_cadence(tiny_pair, monkeypatch):
