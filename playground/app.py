@@ -25,6 +25,9 @@ from playground.tracker_clock import ClockFirst
 CSS = """
 .token-view span { font-family: ui-monospace, monospace; }
 .legend-note { font-size: 0.85em; color: #555; }
+/* A tracker whose event hides its progress is left at opacity 0 but laid out: its clock's text
+   changed ten times a second and each change re-laid-out and repainted the page during a run. */
+.block > .wrap.hide { display: none !important; }
 #tokens-live { contain: content; }  /* a feed message re-lays-out and repaints this box only */
 /* While a run streams its row has a fixed height and scrolls: a row that grew moved everything
    below it, and Chromium repainted and re-rastered the whole 2,400 px page on every feed message

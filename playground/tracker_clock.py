@@ -1,4 +1,4 @@
-"""Gradio's status-tracker clock, ticked ten times a second instead of on every animation frame.
+"""Gradio's status-tracker clock, ticked ten times a second in one timer instead of on every animation frame.
 
 Why: Gradio's StatusTracker counts a pending event's elapsed time in a `requestAnimationFrame` loop
 (`performance.now()` every frame; it shows tenths of a second) until an effect sees the status
@@ -6,8 +6,13 @@ leave "pending". The app's own loading tracker is unmounted the moment the app h
 that effect runs, so its loop never stops: every open page asked Chromium for a frame 50-80 times
 a second for as long as it stayed open (Gradio 6.31; seen by counting the loop's calls per tracker). With Chromium on the
 engine's two cores that kept an idle page at 0.06-0.09 cores, and cost the same during every run.
-A script that runs before Gradio's modules capture `window.requestAnimationFrame` hands that one
-callback to the next frame after `TICK_MS` instead: the clock still shows every tenth of a second.
+A script that runs before Gradio's modules capture `window.requestAnimationFrame` takes that one
+callback out of the frame loop: every clock waiting is called from one timer each `TICK_MS`, with
+no frame asked for. A clock whose tracker shows changes its text, and that change draws the next
+frame as any DOM change does; a hidden tracker's clock (the app CSS sets `.block > .wrap.hide` to display none)
+changes nothing drawn, so no frame. During a run each of the run's pending output trackers had a
+clock of its own, each drawing ten frames a second (session 39: 35-48 frames a second over the
+decode; `playground.browser_bench --trace`).
 
 Gradio places a Blocks' `head` into the page at run time, after its modules load, so the script
 goes into the served HTML itself (`ClockFirst`). The clock's callback is recognised by its
@@ -19,17 +24,28 @@ ticks fails.
 from __future__ import annotations
 
 TICK_MS = 100  # the clock shows tenths of a second
+CLOCK_SOURCE = r"performance\.now\(\)-\w+\(\w+\)\)\/1e3\),\w+&&\w+\(\)"  # the clock callback's source, minified
 
 TRACKER_CLOCK_JS = """<script>
 (() => {
   const frame = window.requestAnimationFrame.bind(window);
-  const clock = /performance\\.now\\(\\)-\\w+\\(\\w+\\)\\)\\/1e3\\),\\w+&&\\w+\\(\\)/;
+  const clock = /%s/;
+  let waiting = [];
+  const tick = () => {
+    const due = waiting;
+    waiting = [];
+    const now = performance.now();
+    for (const callback of due) callback(now);
+  };
   window.specplayClockTicks = 0;  // how many clock ticks were deferred (the browser test reads it)
-  window.requestAnimationFrame = (callback) => clock.test(Function.prototype.toString.call(callback))
-    ? (window.specplayClockTicks++, setTimeout(() => frame(callback), %d))
-    : frame(callback);
+  window.requestAnimationFrame = (callback) => {
+    if (!clock.test(Function.prototype.toString.call(callback))) return frame(callback);
+    window.specplayClockTicks++;
+    if (waiting.push(callback) === 1) setTimeout(tick, %d);
+    return 0;
+  };
 })();
-</script>""" % TICK_MS
+</script>""" % (CLOCK_SOURCE, TICK_MS)
 
 
 class ClockFirst:
