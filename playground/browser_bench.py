@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -118,9 +119,10 @@ def api_run(client, method: str, k: int) -> float:
     return outputs[2]["metrics"]["decode_tokens_per_s"]
 
 
-def start_server(pair: str, port: int, log: Path) -> subprocess.Popen:
+def start_server(pair: str, port: int, log: Path, root: Path = ROOT) -> subprocess.Popen:
+    """`python app.py` of the tree at `root` on `port`, once it answers (its log in `log`)."""
     proc = subprocess.Popen([sys.executable, "app.py", "--pair", pair, "--host", "127.0.0.1", "--port", str(port),
-                             "--devices", "cpu"], cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                             "--devices", "cpu"], cwd=root, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1", GRADIO_ANALYTICS_ENABLED="False"))
     guard = time.monotonic() + STARTUP_GUARD_SECONDS
     while True:
@@ -135,20 +137,22 @@ def start_server(pair: str, port: int, log: Path) -> subprocess.Popen:
             time.sleep(0.5)
 
 
-def page_run(page, method: str) -> dict:
+def page_run(page, method: str, cpu_seconds: Callable[[], float] | None = None) -> dict:
     """One Generate click at the defaults; the page's own tok/s, the browser's view of the stream
-    and the cores Chromium kept busy meanwhile (CPU seconds over the run's wall time, and in all)."""
+    and the cores Chromium kept busy meanwhile (CPU seconds over the run's wall time, and in all;
+    `cpu_seconds` reads them, every Chromium process's by default)."""
+    cpu_seconds = cpu_seconds or browser_cpu_seconds
     page.get_by_label(METHOD_LABELS[method]).check()
     # A method change re-renders the vLLM config's code view and the SSD controls (a server call and
     # ~50 ms of main thread). A visitor picks the method before reaching for Generate; clicking in the
     # same millisecond put that work on the engine's cores inside the measured run.
     settle()
-    cpu_before, wall_before = browser_cpu_seconds(), time.monotonic()
+    cpu_before, wall_before = cpu_seconds(), time.monotonic()
     page.evaluate(WATCH_JS)
     # Polled every 250 ms, not every animation frame: a rAF poll makes the page draw 60 frames a
     # second on the engine's cores, a cost no real visitor's browser adds.
     page.wait_for_function("window.__done", timeout=RUN_GUARD_MS, polling=250)
-    browser_cpu, wall = browser_cpu_seconds() - cpu_before, time.monotonic() - wall_before
+    browser_cpu, wall = cpu_seconds() - cpu_before, time.monotonic() - wall_before
     marks, t0, longest = page.evaluate("[window.__marks, window.__t0, window.__longest]")
     settle()
     marks = [(t, n) for t, n in marks if n > 0]
@@ -266,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     pair = load_pair(args.pair)
     k = pair.recommended_k("model")
     ssd = SSDEngine(pair) if "ssd" in methods else None
-    port = args.port or _free_port()
+    port = args.port or free_port()
     log = ROOT / "artifacts" / "browser-bench-server.log"
     log.parent.mkdir(exist_ok=True)
     server = start_server(args.pair, port, log)
@@ -305,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         server.wait(timeout=30)
         if ssd is not None:
             ssd.close()
-    print(f"pair {args.pair}, K {k}, defaults {DEFAULT_SETTINGS}, median of {args.repeats}; CPU: {_cpu_name()}; "
+    print(f"pair {args.pair}, K {k}, defaults {DEFAULT_SETTINGS}, median of {args.repeats}; CPU: {cpu_name()}; "
           f"Chromium at nice {args.browser_nice}")
     print(f"{'method':8} {'engine tok/s':>12} {'API tok/s':>9} {'page tok/s':>10} {'ratio':>6} {'x AR engine':>11} {'x AR page':>9} "
           f"{'x AR 1st run':>12} {'seen tok/s':>10} {'1st token s':>11} {'longest gap s':>13} {'long task ms':>12} "
@@ -352,13 +356,13 @@ def niced(executable: str, level: int, folder: Path) -> str:
     return str(wrapper)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
             return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"

@@ -678,6 +678,25 @@ def test_the_browser_bench_counts_each_chromium_thread_busy_inside_each_window()
     assert list(busy) == ["ThreadPoolForegroundWorker", "CrRendererMain"]  # busiest in the decode first
 
 
+def test_page_ab_counts_one_browsers_process_tree_and_nothing_else():
+    """`tree_ticks`: the processes whose command line holds the arm's switch, and all their
+    descendants at any depth; the other arm's browser, its children and unrelated processes not."""
+    from playground.page_ab import ARM_SWITCH, tree_ticks
+
+    table = {
+        10: (1, 100, b"/usr/lib/chromium/chromium\x00--headless\x00" + ARM_SWITCH.encode() + b"this\x00"),
+        11: (10, 20, b"/usr/lib/chromium/chromium\x00--type=zygote\x00"),
+        12: (11, 300, b"/usr/lib/chromium/chromium\x00--type=renderer\x00"),
+        13: (10, 4, b"/usr/lib/chromium/chromium\x00--type=gpu-process\x00"),
+        20: (1, 1000, b"/usr/lib/chromium/chromium\x00" + ARM_SWITCH.encode() + b"base\x00"),
+        21: (20, 5000, b"/usr/lib/chromium/chromium\x00--type=renderer\x00"),
+        30: (1, 7, b"python\x00app.py\x00"),
+    }
+    assert tree_ticks(table, (ARM_SWITCH + "this").encode()) == 100 + 20 + 300 + 4
+    assert tree_ticks(table, (ARM_SWITCH + "base").encode()) == 1000 + 5000
+    assert tree_ticks(table, b"--specplay-arm=none") == 0
+
+
 def test_the_learn_tab_starts_on_its_first_preset_with_no_page_load_event_to_overwrite_a_prompt(tiny_pair):
     """The Learn controls hold the first preset from the start. A page-load event that set them
     could land after the visitor had typed a prompt and replace it (it did, in CI on a loaded machine)."""
