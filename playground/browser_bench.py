@@ -201,7 +201,9 @@ def traced_run(browser, page, method: str, path: Path) -> dict[str, tuple[float,
 
 def thread_busy(trace: dict | list, t0: float, marks: list[float]) -> dict[str, tuple[float, float]]:
     """Busy ms per thread name in (click -> first token, first -> last token), from the trace's
-    top-level tasks; page times (performance.now()) are placed on the trace clock by TRACE_MARK."""
+    top-level tasks; page times (performance.now()) are placed on the trace clock by TRACE_MARK.
+    Top-level tasks nest (a RunTask holds the mojo message or the microtask checkpoint it runs), so
+    each thread's busy time is the union of their intervals (before session 39 it was their sum)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
@@ -211,15 +213,30 @@ def thread_busy(trace: dict | list, t0: float, marks: list[float]) -> dict[str, 
         return mark["ts"] + (ms - mark["args"]["data"]["startTime"]) * 1e3
 
     windows = [(to_trace(t0), to_trace(marks[0])), (to_trace(marks[0]), to_trace(marks[-1]))]
-    busy: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    tasks: dict[tuple, list[tuple[float, float]]] = collections.defaultdict(list)
     for e in events:
         if e.get("ph") == "X" and e.get("cat", "").startswith("toplevel") and "dur" in e:
+            tasks[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
+    busy: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for thread, intervals in tasks.items():
+        for start, end in _union(intervals):
             for i, (a, b) in enumerate(windows):
-                overlap = min(b, e["ts"] + e["dur"]) - max(a, e["ts"])
+                overlap = min(b, end) - max(a, start)
                 if overlap > 0:
-                    busy[names.get((e["pid"], e["tid"]), str(e["tid"]))][i] += overlap / 1e3
+                    busy[names.get(thread, str(thread[1]))][i] += overlap / 1e3
     return {name: (first, decode) for name, (first, decode) in
             sorted(busy.items(), key=lambda item: -item[1][1])}
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The disjoint intervals covering the same time as `intervals`."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
 
 
 def settle() -> None:

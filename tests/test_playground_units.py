@@ -659,7 +659,8 @@ def test_an_engine_loop_thread_exits_with_its_last_job_so_no_idle_openmp_team_ou
 
 def test_the_browser_bench_counts_each_chromium_thread_busy_inside_each_window():
     """`thread_busy` from a trace: top-level tasks are cut to the click -> first token and the
-    first -> last token windows, page times placed on the trace clock by the bench's mark."""
+    first -> last token windows, page times placed on the trace clock by the bench's mark, and a
+    task nested in another counts once."""
     from playground.browser_bench import TRACE_MARK, thread_busy
 
     mark = {"name": TRACE_MARK, "ph": "I", "ts": 1_000_000, "args": {"data": {"startTime": 100.0}}}
@@ -669,9 +670,10 @@ def test_the_browser_bench_counts_each_chromium_thread_busy_inside_each_window()
     def task(tid: int, start_ms: float, ms: float, cat: str = "toplevel") -> dict:  # page ms
         return {"ph": "X", "cat": cat, "pid": 1, "tid": tid, "ts": 1_000_000 + (start_ms - 100.0) * 1e3, "dur": ms * 1e3}
 
-    # click at 200 ms, first token at 300, last at 600
-    events = names + [mark, task(1, 150, 100), task(1, 290, 20), task(2, 400, 30), task(2, 590, 50),
-                      task(1, 700, 40), task(2, 450, 99, cat="devtools.timeline")]
+    # click at 200 ms, first token at 300, last at 600; the main thread's 290-310 task runs a
+    # nested top-level task (a mojo message inside a RunTask) that must not count twice
+    events = names + [mark, task(1, 150, 100), task(1, 290, 20), task(1, 295, 10, cat="toplevel,mojom"),
+                      task(2, 400, 30), task(2, 590, 50), task(1, 700, 40), task(2, 450, 99, cat="devtools.timeline")]
     busy = thread_busy({"traceEvents": events}, 200.0, [300.0, 450.0, 600.0])
     assert busy["CrRendererMain"] == pytest.approx((50 + 10, 10))
     assert busy["ThreadPoolForegroundWorker"] == pytest.approx((0, 30 + 10))
