@@ -80,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="page-ab-") as scratch:
         base_tree = Path(scratch) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), args.base], cwd=ROOT, check=True,
-                       capture_output=True)
+        checkout = subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), args.base], cwd=ROOT,
+                                  capture_output=True, text=True)
+        if checkout.returncode:
+            ap.error(f"cannot check out {args.base!r}: {checkout.stderr.strip()}")
         trees = {"base": base_tree, "this": ROOT}
         servers, results = {}, {}
         try:
