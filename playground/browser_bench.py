@@ -169,13 +169,19 @@ def page_run(page, method: str, cpu_seconds: Callable[[], float] | None = None) 
             "browser_cores": browser_cpu / wall, "browser_cpu_ms": 1e3 * browser_cpu}
 
 
+def open_page(browser, url: str):
+    """The playground at `url` in a new 1440x900 page of `browser`, once its Generate button is there."""
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.goto(url)
+    page.wait_for_selector("#generate-btn")
+    return page
+
+
 def first_run_x_ar(browser, url: str, method: str) -> float | None:
     """"× AR" as a new visitor's first run of `method` reads it: a fresh page (a new session, with no
     AR run of its own), one Generate click. That run starts with the page's AR reference run."""
-    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page = open_page(browser, url)
     try:
-        page.goto(url)
-        page.wait_for_selector("#generate-btn")
         settle()
         return page_run(page, method)["x_ar"]
     finally:
@@ -298,9 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=niced(CHROMIUM, args.browser_nice, log.parent), args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1440, "height": 900})
-            page.goto(f"http://127.0.0.1:{port}")
-            page.wait_for_selector("#generate-btn")
+            page = open_page(browser, f"http://127.0.0.1:{port}")
             settle()
             client = Client(f"http://127.0.0.1:{port}/", verbose=False)
             for method in methods:  # warm-up: first SSD worker start, first chart draw

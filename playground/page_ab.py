@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from playground.browser_bench import (CHROMIUM, CHROMIUM_ARGS, ROOT, cpu_name, free_port, page_run, settle,
-                                      start_server)
+from playground.browser_bench import (CHROMIUM, CHROMIUM_ARGS, ROOT, cpu_name, free_port, open_page, page_run,
+                                      settle, start_server)
 from playground.limits import UI_METHODS
 
 ARM_SWITCH = "--specplay-arm="  # Chromium ignores switches it does not know; its children inherit none
@@ -94,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 pages = {}
                 for arm, (_, port) in servers.items():
                     browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS + [ARM_SWITCH + arm])
-                    pages[arm] = browser.new_page(viewport={"width": 1440, "height": 900})
-                    pages[arm].goto(f"http://127.0.0.1:{port}")
-                    pages[arm].wait_for_selector("#generate-btn")
+                    pages[arm] = open_page(browser, f"http://127.0.0.1:{port}")
                     for method in methods:  # warm-up: a new page's first run starts with its AR reference run
                         page_run(pages[arm], method)
                 settle()
