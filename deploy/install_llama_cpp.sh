@@ -8,14 +8,22 @@
 # PyPI has only the source of llama-cpp-python, and a plain `pip install llama-cpp-python` builds
 # llama.cpp with its multimodal library and every tool (about 11 minutes on 2 cores). Built here
 # without them (LLAVA_BUILD=OFF, no tests, examples, tools or server) and with GGML_NATIVE=ON (the
-# build llama.cpp recommends for speed: this CPU's own instruction set), except on CPUs with AMX
-# (below). The wheel lands in $SPECPLAY_CACHE/wheels/<hash of the CPU flags and build>/, so a
-# machine with other CPU features (a native build uses instructions an older CPU lacks) builds its
-# own, and a second run only installs.
+# build llama.cpp recommends for speed: this CPU's own instruction set). The wheel lands in
+# $SPECPLAY_CACHE/wheels/<hash of the CPU flags and build>/, so a machine with other CPU features (a
+# native build uses instructions an older CPU lacks) builds its own, and a second run only installs.
+# The build is native on every CPU. Before session 40 CPUs with AMX got AVX-512 with AMX off
+# (session 18 saw the native wheel segfault on a family 6 model 167 Xeon); on the family 6 model 207
+# Xeon of session 40 the native builds run and decode 1.8x faster than that one (llama-bench 187
+# against 101 tok/s at depth 42; the Python peer 176 against 97). Should a native build fail on
+# some CPU, SPECPLAY_LLAMA_CPP_FLAGS replaces its cmake flags (the cache is keyed by them too).
 # --llama-bench builds llama.cpp's C benchmark from the same source and flags (one static binary,
 # cached next to the wheel; its path is printed last), for issue 23's comparison without Python:
 #   llama-bench -m "$(python -c 'from engine.models.embedded import gguf_path; print(gguf_path())')" \
-#       -t 2 -p 0 -n 64 -d 0,42     # decode from an empty context and at our prompts' length
+#       -t 2 -p 0 -n 64 -d 0,42 [-ub 1]   # decode from an empty context and at our prompts' length
+# On a CPU with AMX give it -ub 1 (one token per micro-batch): llama.cpp's batched GEMM on AMX
+# tiles dies with "Illegal instruction" on the model 207 Xeon (the prompt pass of -d 42, and the
+# wheel's in a prompt too), while its one-token path is its fastest decode; the Python peer does the
+# same by itself (engine/peers/llama_cpp.py, n_ubatch=1).
 set -euo pipefail
 python="${1:-python3}"
 with_bench="${2:-}"
@@ -23,15 +31,7 @@ version=0.3.36
 cache="${SPECPLAY_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/specplay}"
 flags="$(grep -m1 '^flags' /proc/cpuinfo)"
 build="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
-if grep -qw amx_tile <<<"$flags"; then
-    # On the Xeons with AMX the native build segfaults as it loads or evaluates the model (seen in
-    # session 18; issue 23 saw "Illegal instruction"): build AVX-512 with VNNI and BF16, AMX off.
-    # That build decodes at about 0.6x the native one, whose llama-bench runs -d 0 only (session 19).
-    isa="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
--DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-else
-    isa="-DGGML_NATIVE=ON"
-fi
+isa="${SPECPLAY_LLAMA_CPP_FLAGS:--DGGML_NATIVE=ON}"
 cpu="$(printf '%s %s' "$flags" "$isa" | sha256sum | cut -c1-12)"
 wheels="$cache/wheels/llama-cpp-$cpu"
 export PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -49,10 +49,10 @@ from engine.config import DECODE_METHODS, SSD_BACKUPS, SSD_FANOUT_MODES, SpecCon
 from engine.decoding import describe_device, generate
 from engine.events import FinishEvent, TokenEvent
 from engine.metrics import ROUND_PHASES, DivergenceTally
-from engine.models.embedded import gguf_path
 from engine.models.causal_lm import CausalLM
 from engine.models.fast_llama import WEIGHT_DTYPES
 from engine.models.registry import BACKENDS, DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS, GENERIC_K, PAIRS, ModelPair, load_pair
+from engine.peers.llama_cpp import load_llama
 from engine.prompts import held_out_prompts
 from engine.ssd.devices import parse_device, parse_devices, pinned
 from engine.ssd.projection import PHASES as SSD_PHASES
@@ -338,13 +338,8 @@ class PeerRow(BenchRow):
 
 @lru_cache(maxsize=1)
 def _llama(threads: int):
-    """The embedded GGUF loaded once by llama.cpp (through llama-cpp-python, optional)."""
-    try:
-        from llama_cpp import Llama
-    except ImportError as err:
-        raise SystemExit("the llama.cpp peer row needs llama-cpp-python: `bash deploy/install_llama_cpp.sh "
-                         "<python>` builds it once for this CPU (about 8 minutes on 2 cores) and caches the wheel") from err
-    return Llama(model_path=str(gguf_path()), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+    """The embedded GGUF loaded once by llama.cpp (engine.peers.llama_cpp)."""
+    return load_llama(threads)
 
 
 class LlamaCppRow(BenchRow):

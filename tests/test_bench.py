@@ -1,10 +1,13 @@
 import importlib.util
 import json
 import re
+import sys
+import types
 
 import pytest
 
 from engine import bench
+from engine.peers import llama_cpp as llama_cpp_peer
 
 
 def test_bench_writes_rows_for_every_method_and_peer(tmp_path, capsys):
@@ -111,6 +114,17 @@ def test_llama_cpp_peer_row_runs_the_embedded_gguf_or_says_what_it_needs(tmp_pat
     rows = {r["method"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
     assert rows["llama.cpp"]["new_tokens"] == 8 and rows["llama.cpp"]["tokens_per_s"] > 0
     assert rows["llama.cpp"]["backend"] == "llama.cpp (GGUF Q4_1)"
+
+
+def test_llama_cpp_takes_one_token_per_micro_batch_exactly_where_the_cpu_has_amx(monkeypatch):
+    """llama.cpp's AMX GEMM dies with SIGILL on the Xeons here; its one-token path does not (engine.peers.llama_cpp)."""
+    made = []
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=lambda **kwargs: made.append(kwargs)))
+    for flags, ubatch in ((frozenset({"avx512f", "amx_tile", "amx_int8"}), 1), (frozenset({"avx2", "fma"}), None)):
+        monkeypatch.setattr(llama_cpp_peer, "cpu_flags", lambda: flags)
+        llama_cpp_peer.load_llama(2)
+        assert made[-1].get("n_ubatch") == ubatch
+        assert made[-1]["n_threads"] == made[-1]["n_threads_batch"] == 2
 
 
 def test_bench_runs_ssd_next_to_sps_with_devices_and_hit_rate(tmp_path):

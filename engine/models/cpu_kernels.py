@@ -83,7 +83,8 @@ ISAS = {  # widest first
 
 
 @cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (only what the OS has enabled)."""
     try:
         line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
@@ -93,7 +94,7 @@ def _cpu_flags() -> frozenset[str]:
 
 def runnable_isas() -> list[str]:
     """The builds this CPU can run, widest first."""
-    return [name for name, isa in ISAS.items() if isa.cpu_flags <= _cpu_flags()]
+    return [name for name, isa in ISAS.items() if isa.cpu_flags <= cpu_flags()]
 
 
 def selected_isa() -> str | None:

@@ -6,7 +6,8 @@ Speed: after a chat prompt is prefilled, each round times one 1-token forward (A
 one 5-token forward (verifying 4 drafts + bonus), rolling back after each; backends are
 interleaved round by round so background load hits them alike; medians are reported.
 `--llama-cpp` adds llama.cpp (llama-cpp-python, `deploy/install_llama_cpp.sh`) on the GGUF the
-default target comes from, timed the same way at the same context: `eval` of 1 and of 5 tokens.
+default target comes from, timed the same way at the same context: `eval` of 1 and of 5 tokens
+(on a CPU with AMX five one-token steps: `engine.peers.llama_cpp`).
 `--small-pages` adds each format with its weights on 4 KB pages, outside the huge-page arenas.
 Prefill: a prompt of 30 / 60 / 120 tokens into an empty cache, with the prefill GEMM
 (`cpu_kernels.linear_wide`, the default from `WIDE_MIN_ROWS` rows) and with the batch-invariant
@@ -44,12 +45,9 @@ class _LlamaCpp:
     (llama-cpp-python's `eval` drops the KV cache past `n_tokens` before it decodes)."""
 
     def __init__(self, threads: int) -> None:
-        from llama_cpp import Llama
+        from engine.peers.llama_cpp import load_llama
 
-        from engine.models.embedded import gguf_path
-
-        self.llm = Llama(model_path=str(gguf_path()), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
-                         verbose=False)
+        self.llm = load_llama(threads)
 
     def forward(self, tokens, last_n: int = 1) -> None:
         self.llm.eval(list(tokens))
