@@ -15,7 +15,9 @@ Zen 1 (AVX2 only) to Xeons with AVX-512, and a kernel built for the wider vector
 kernel reports in /proc/cpuinfo (flags the OS has not enabled are not listed there);
 `SPECPLAY_KERNEL_ISA=avx2` forces a narrower one. The "avx512vnni" build differs from "avx512"
 only in the int16-activation formats' dot products (vpdpwssd instead of vpmaddwd + vpaddd: the same
-integers). AMX and AVX512-FP16 variants would be further entries of `ISAS`; none is written yet.
+integers). AMX and AVX512-FP16 variants would be further entries of `ISAS`; none is written: AMX's
+tile steps cost more than VNNI below about 16 rows on both Xeons it was measured on (sessions 20 and
+40, assets/FAST_BACKEND.md), and fp16 arithmetic would round what the formats keep exact.
 
 Everything here is optional: `available()` is False without a C compiler or without AVX2/FMA/F16C, and
 callers then fall back to plain torch ops (and, for float16 GEMMs, fbgemm).
