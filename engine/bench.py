@@ -52,7 +52,7 @@ from engine.metrics import ROUND_PHASES, DivergenceTally
 from engine.models.causal_lm import CausalLM
 from engine.models.fast_llama import WEIGHT_DTYPES
 from engine.models.registry import BACKENDS, DEFAULT_FAST_WEIGHTS, DRAFTER_KINDS, GENERIC_K, PAIRS, ModelPair, load_pair
-from engine.peers.llama_cpp import load_llama
+from engine.peers.llama_cpp import load_llama, one_token_batches
 from engine.prompts import held_out_prompts
 from engine.ssd.devices import parse_device, parse_devices, pinned
 from engine.ssd.projection import PHASES as SSD_PHASES
@@ -386,7 +386,9 @@ class LlamaCppRow(BenchRow):
         return {"new_tokens": int(new), "tokens_per_s": new / elapsed,
                 "decode_tokens_per_s": new / (elapsed - self.prefill), "mean_acceptance_length": None,
                 "draft_acceptance_rate": None, "target_forwards_per_token": None, "mean_induced_kl": None,
-                "devices": f"cpu ({torch.get_num_threads()} threads)", "backend": "llama.cpp (GGUF Q4_1)"}
+                "devices": f"cpu ({torch.get_num_threads()} threads)",
+                "backend": "llama.cpp (GGUF Q4_1, one token per micro-batch)" if one_token_batches()
+                else "llama.cpp (GGUF Q4_1)"}
 
 
 ROW_KINDS = {"hf-ar": PeerRow, "hf-assisted": PeerRow, "llama.cpp": LlamaCppRow, SSD_METHOD: SSDRow}

@@ -113,7 +113,8 @@ def test_llama_cpp_peer_row_runs_the_embedded_gguf_or_says_what_it_needs(tmp_pat
     bench.main(args)
     rows = {r["method"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
     assert rows["llama.cpp"]["new_tokens"] == 8 and rows["llama.cpp"]["tokens_per_s"] > 0
-    assert rows["llama.cpp"]["backend"] == "llama.cpp (GGUF Q4_1)"
+    assert rows["llama.cpp"]["backend"] == ("llama.cpp (GGUF Q4_1, one token per micro-batch)"
+                                            if llama_cpp_peer.one_token_batches() else "llama.cpp (GGUF Q4_1)")
 
 
 def test_llama_cpp_takes_one_token_per_micro_batch_exactly_where_the_cpu_has_amx(monkeypatch):

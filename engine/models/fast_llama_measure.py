@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from engine.models import HFCausalLM, cpu_kernels, load_pair
 from engine.models.fast_llama import WEIGHT_DTYPES, FastLlamaCausalLM, FastLlamaWeights, fast_weights
 from engine.models.huge_pages import huge_page_bytes
+from engine.peers.llama_cpp import load_llama, one_token_batches
 
 PROMPTS = (
     "Write a short story about a robot who learns to paint, in three paragraphs.",
@@ -45,8 +46,6 @@ class _LlamaCpp:
     (llama-cpp-python's `eval` drops the KV cache past `n_tokens` before it decodes)."""
 
     def __init__(self, threads: int) -> None:
-        from engine.peers.llama_cpp import load_llama
-
         self.llm = load_llama(threads)
 
     def forward(self, tokens, last_n: int = 1) -> None:
@@ -210,6 +209,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for b, (one, five) in speed.items():
         print(f"| {b} | {one:.1f} | {five:.1f} | {five / one:.2f} | {base / one:.2f}x |")
+    if args.llama_cpp and one_token_batches():
+        print("llama.cpp runs one token per micro-batch on this CPU (AMX: engine.peers.llama_cpp), so its "
+              "5-token column is five one-token steps")
 
     if args.bandwidth:
         bandwidth = read_bandwidth()
