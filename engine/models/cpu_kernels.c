@@ -710,6 +710,12 @@ typedef struct {  // y [M, N] = x [M, K] @ W[N, K]^T; an item is a run of `per` 
     const float *rope;  // [M, hd] (hd/2 cos, sin pairs a row)
     float *q, *kc, *vc;
     int64_t cap, slot, heads, kv_heads, hd;
+    // The head of a forward that runs the round's rule (target_forward): each item also keeps, per
+    // row, the `topk` largest of the logits it computed (while they are in its cache) in its result,
+    // committed to cand [M, items, 2 topk] (values, then ids as floats), from which the rule takes its
+    // support instead of scanning every logit again (head_candidates).
+    int64_t topk, per, items;
+    float *cand;
 } GemmPhase;
 
 enum { ROWS_NORM, ROWS_SILU, ROWS_QUANT };
@@ -756,7 +762,7 @@ static void publish_quantized(const Quantized *t, int64_t row, int64_t col, int6
 
 static int64_t phase_result_floats(const Phase *p) {
     switch (p->kind) {
-        case PHASE_GEMM: return p->gemm.M * p->per * PANEL;
+        case PHASE_GEMM: return p->gemm.M * (p->per * PANEL + 2 * p->gemm.topk);
         case PHASE_ROWS: return p->per * row_floats(p->rows.width);
         default: return p->per * row_floats(p->attn.hd);
     }
@@ -764,7 +770,7 @@ static int64_t phase_result_floats(const Phase *p) {
 
 #define WIDE_CASE(R) case R: wide_tile(xm, g->K, panel, kn, ym, ld, k0 == 0, R); break
 // Channels [16 p0, 16 p1) of every row into r [M, 16 (p1 - p0)].
-static void gemm_run(const GemmPhase *g, int64_t p0, int64_t p1, float *r, Own *own) {
+static void gemm_compute(const GemmPhase *g, int64_t p0, int64_t p1, float *r, Own *own) {
     const int64_t ld = (p1 - p0) * PANEL, K = g->K, groups = K / GROUP;
     if (g->wide) {
         float *panel = buffer_at_least(&own->panel, PANEL_K * PANEL);
@@ -829,9 +835,36 @@ static void gemm_run(const GemmPhase *g, int64_t p0, int64_t p1, float *r, Own *
     }
 }
 
+static void top_k_row(const float *row, int64_t n, int64_t k, float *vals, int64_t *ids);
+#define MAX_CANDIDATES 64  // the widest support the native rule takes (sampling._MAX_NATIVE_TOP_K)
+
+// Each row's `topk` largest of channels [16 p0, 16 p1) after the item's products (r [M, 16 (p1 - p0)]),
+// as top_k_row orders them, into r's tail: values, then ids as floats (exact below 2^24); a chunk
+// narrower than topk pads with id -1.
+static void head_candidates(const GemmPhase *g, int64_t p0, int64_t p1, float *r) {
+    const int64_t ld = (p1 - p0) * PANEL, n = min64(p1 * PANEL, g->N) - p0 * PANEL, k = g->topk;
+    float *tail = r + g->M * g->per * PANEL;
+    int64_t ids[MAX_CANDIDATES];
+    for (int64_t m = 0; m < g->M; m++) {
+        float *vals = tail + m * 2 * k, *at = vals + k;
+        for (int64_t j = 0; j < k; j++) { vals[j] = -INFINITY; ids[j] = -1 - p0 * PANEL; }
+        top_k_row(r + m * ld, n, min64(k, n), vals, ids);
+        for (int64_t j = 0; j < k; j++) at[j] = (float)(ids[j] + p0 * PANEL);
+    }
+}
+
+static void gemm_run(const GemmPhase *g, int64_t p0, int64_t p1, float *r, Own *own) {
+    gemm_compute(g, p0, p1, r, own);
+    if (g->topk) head_candidates(g, p0, p1, r);
+}
+
 static void gemm_commit(const GemmPhase *g, int64_t p0, int64_t p1, const float *r) {
     const int64_t ld = (p1 - p0) * PANEL, c0 = p0 * PANEL, c1 = min64(p1 * PANEL, g->N);
     const int64_t hd = g->hd, A = g->heads * hd, KV = g->kv_heads * hd;
+    if (g->topk)
+        for (int64_t m = 0; m < g->M; m++)
+            memcpy(g->cand + (m * g->items + p0 / g->per) * 2 * g->topk, r + g->M * g->per * PANEL + m * 2 * g->topk,
+                   2 * g->topk * sizeof(float));
     for (int64_t m = 0; m < g->M; m++) {
         const float *rm = r + m * ld;
         if (g->rope == NULL) {
@@ -1227,27 +1260,51 @@ static void top_k_row(const float *row, int64_t n, int64_t k, float *vals, int64
 // probability (largest first). softmax(values / temperature) over the k kept logits, then the
 // top-p cut (keep the smallest prefix whose mass reaches top_p; cumulative sums in float64 as
 // torch.cumsum accumulates) and renormalisation; greedy is k = 1 (probability exactly 1).
+static void support_probs(float *p, int64_t k, float temperature, float top_p);
+
 void sample_support(const float *logits, int64_t rows, int64_t vocab, int64_t k, float temperature, float top_p,
                     int64_t *ids, float *probs) {
     for (int64_t r = 0; r < rows; r++) {
-        float *p = probs + r * k;
-        int64_t *id = ids + r * k;
-        top_k_row(logits + r * vocab, vocab, k, p, id);
-        const float top = p[0] / temperature;
-        float total = 0.0f;
-        for (int64_t j = 0; j < k; j++) { p[j] = expf(p[j] / temperature - top); total += p[j]; }
-        for (int64_t j = 0; j < k; j++) p[j] = p[j] / total;
-        if (top_p < 1.0f) {
-            double cumulative = 0.0;
-            float kept = 0.0f;
-            for (int64_t j = 0; j < k; j++) {
-                cumulative += p[j];
-                const float before = (float)cumulative - p[j];
-                if (before >= top_p) p[j] = 0.0f;
-                kept += p[j];
+        top_k_row(logits + r * vocab, vocab, k, probs + r * k, ids + r * k);
+        support_probs(probs + r * k, k, temperature, top_p);
+    }
+}
+
+// The k of a row's candidates [items, 2 topk] (head_candidates: each item's topk values, then their
+// ids) that top_k_row would keep from the whole row: the first k by value, then by lower id. Every
+// one of those is among its own item's first topk >= k, so the selection is the same, bit for bit.
+static void top_k_candidates(const float *cand, int64_t items, int64_t topk, int64_t k, float *vals, int64_t *ids) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < items; i++)
+        for (int64_t j = 0; j < topk; j++) {
+            const float x = cand[i * 2 * topk + j];
+            const int64_t id = (int64_t)cand[i * 2 * topk + topk + j];
+            if (id < 0 || (m == k && !(x > vals[k - 1] || (x == vals[k - 1] && id < ids[k - 1])))) continue;
+            int64_t at = m < k ? m++ : k - 1;
+            while (at > 0 && (x > vals[at - 1] || (x == vals[at - 1] && id < ids[at - 1]))) {
+                vals[at] = vals[at - 1]; ids[at] = ids[at - 1]; at--;
             }
-            for (int64_t j = 0; j < k; j++) p[j] = p[j] / kept;
+            vals[at] = x; ids[at] = id;
         }
+}
+
+// softmax(values / temperature) over a row's k kept logits p[0..k) (largest first), in place, then
+// the top-p cut and renormalisation (sample_support's second half).
+static void support_probs(float *p, int64_t k, float temperature, float top_p) {
+    const float top = p[0] / temperature;
+    float total = 0.0f;
+    for (int64_t j = 0; j < k; j++) { p[j] = expf(p[j] / temperature - top); total += p[j]; }
+    for (int64_t j = 0; j < k; j++) p[j] = p[j] / total;
+    if (top_p < 1.0f) {
+        double cumulative = 0.0;
+        float kept = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            cumulative += p[j];
+            const float before = (float)cumulative - p[j];
+            if (before >= top_p) p[j] = 0.0f;
+            kept += p[j];
+        }
+        for (int64_t j = 0; j < k; j++) p[j] = p[j] / kept;
     }
 }
 
@@ -1424,13 +1481,31 @@ typedef struct {
     double *result;  // out: [8, k+2] as above
 } RoundRule;
 
+static void rule_on_support(const RoundRule *rule);
+
 void verify_logits(const float *logits, int64_t vocab, const RoundRule *rule) {
+    sample_support(logits, rule->k + 1, vocab, rule->w, rule->temperature, rule->top_p, rule->t_ids, rule->t_probs);
+    rule_on_support(rule);
+}
+
+// verify_logits from the head's candidates [k+1, items, 2 topk] (head_candidates) instead of its
+// logits: the same support rows, without another pass over the vocabulary.
+static void verify_candidates(const float *cand, int64_t items, int64_t topk, const RoundRule *rule) {
+    for (int64_t i = 0; i <= rule->k; i++) {
+        float *p = rule->t_probs + i * rule->w;
+        top_k_candidates(cand + i * items * 2 * topk, items, topk, rule->w, p, rule->t_ids + i * rule->w);
+        support_probs(p, rule->w, rule->temperature, rule->top_p);
+    }
+    rule_on_support(rule);
+}
+
+// verify_support on the support rows in rule->t_ids, t_probs, packed into rule->result.
+static void rule_on_support(const RoundRule *rule) {
     const int64_t k = rule->k, r = k + 2;
     float *stats = malloc(7 * r * sizeof(float));
     uint8_t *accepted = malloc(r);
     int64_t out[2];
     double *result = rule->result;
-    sample_support(logits, k + 1, vocab, rule->w, rule->temperature, rule->top_p, rule->t_ids, rule->t_probs);
     verify_support((int)rule->method, k, rule->w, rule->t_ids, rule->t_probs, rule->d_ids, rule->d_probs, rule->d_w,
                    rule->tokens, rule->u_accept, rule->u_sample, rule->delta, rule->posterior_threshold,
                    rule->posterior_alpha, stats, accepted, out);
@@ -1561,30 +1636,39 @@ void position_divergences(int64_t positions, const int64_t *t_ids, const double 
 // the head on the last `last_n` of them into logits [last_n, head_rows]. The same kernels in the same
 // order as that method's op-by-op path, so the same bits; there the ~10 torch ops around the two
 // native calls cost 0.3-0.4 ms a forward on a VM whose caches the forward left cold (AMD EPYC Zen 4,
-// assets/FAST_BACKEND.md, session 23). With a `rule` (NULL: none), verify_logits then runs on those
-// logits (head_rows must be the vocabulary), its time in *rule_seconds: a verify round's forward and
-// rule in one call, where calling the rule from Python cost ~90 us of Python steps whose caches the
-// forward had left cold (AMD EPYC Zen 3, session 28).
+// assets/FAST_BACKEND.md, session 23). With a `rule` (NULL: none), the rule then runs on those rows
+// (head_rows must be the vocabulary), its time in *rule_seconds: a verify round's forward and rule in
+// one call, where calling the rule from Python cost ~90 us of Python steps whose caches the forward
+// had left cold (AMD EPYC Zen 3, session 28). Its support comes from the head's items, which keep
+// each row's top-k candidates while their logits are in their cache (head_candidates): the rule's
+// own pass over 49,152 logits a row took ~16 us in a round against ~7 us warm: half of it cache misses
+// on the other thread's columns (Intel Xeon, session 40).
 void target_forward(const Decoder *d, const float *embed, const Linear *head, int64_t head_rows,
                     const int64_t *tokens, int64_t n, float *k_cache, float *v_cache, int64_t cap,
                     const float *rope, int64_t slot, int wide, int64_t last_n, float *hidden, float *logits,
                     const RoundRule *rule, double *rule_seconds) {
-    const int64_t H = d->hidden;
+    const int64_t H = d->hidden, topk = rule != NULL && rule->w <= MAX_CANDIDATES && head_rows < (1 << 24) ? rule->w : 0;
     Job job = job_begin();
-    float *extra;
-    const Activations a = activations(&job, d, n, slot + n, 0, 0, &extra);
+    float *cand;
+    const Activations a = activations(&job, d, n, slot + n, 0, last_n * POOL_ITEMS * 2 * topk, &cand);
     for (int64_t j = 0; j < n; j++) memcpy(a.x + j * H, embed + tokens[j] * H, H * sizeof(float));
     memcpy(a.rope, rope, n * d->head_dim * sizeof(float));
     int64_t np = 0;
     add_decoder(&job, &np, d, &a, n, k_cache, v_cache, cap, slot, wide, hidden, head);
-    add_gemm(&job, &np, head, last_n, H, head_rows, a.h + (n - last_n) * H, rows16_from(a.h16, n - last_n), logits, 0);
+    GemmPhase *g = add_gemm(&job, &np, head, last_n, H, head_rows, a.h + (n - last_n) * H,
+                            rows16_from(a.h16, n - last_n), logits, 0);
+    if (topk) {  // the head's items keep each row's candidates for the rule (head_candidates)
+        const Phase *p = &job.phases[np - 1];
+        g->topk = topk, g->per = p->per, g->items = p->items, g->cand = cand;
+    }
     job_run(&job, np);
-    job_end(&job, 0);
     if (rule != NULL) {  // the round's rule on the rows just written, timed apart from the forward
         const double start = omp_get_wtime();
-        verify_logits(logits, head_rows, rule);
+        if (topk) verify_candidates(cand, g->items, topk, rule);
+        else verify_logits(logits, head_rows, rule);
         *rule_seconds = omp_get_wtime() - start;
     }
+    job_end(&job, 0);
 }
 
 // One step of a feature draft (engine.feature_drafter): x_j = fc([embed(t_j); f_{j-1}]) for n
