@@ -336,10 +336,7 @@ class PeerRow(BenchRow):
         }
 
 
-@lru_cache(maxsize=1)
-def _llama(threads: int):
-    """The embedded GGUF loaded once by llama.cpp (engine.peers.llama_cpp)."""
-    return load_llama(threads)
+_llama = lru_cache(maxsize=1)(load_llama)  # the embedded GGUF loaded once by llama.cpp
 
 
 class LlamaCppRow(BenchRow):

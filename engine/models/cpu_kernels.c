@@ -838,18 +838,24 @@ static void gemm_compute(const GemmPhase *g, int64_t p0, int64_t p1, float *r, O
 static void top_k_row(const float *row, int64_t n, int64_t k, float *vals, int64_t *ids);
 #define MAX_CANDIDATES 64  // the widest support the native rule takes (sampling._MAX_NATIVE_TOP_K)
 
+// Where an item's candidates sit in its result: after its products [M, per panels].
+static inline float *candidates_of(const GemmPhase *g, const float *r) {
+    return (float *)r + g->M * g->per * PANEL;
+}
+
 // Each row's `topk` largest of channels [16 p0, 16 p1) after the item's products (r [M, 16 (p1 - p0)]),
-// as top_k_row orders them, into r's tail: values, then ids as floats (exact below 2^24); a chunk
-// narrower than topk pads with id -1.
+// as top_k_row orders them, into the item's candidates: values, then ids as floats (exact below
+// 2^24); a chunk narrower than topk pads with id -1.
 static void head_candidates(const GemmPhase *g, int64_t p0, int64_t p1, float *r) {
-    const int64_t ld = (p1 - p0) * PANEL, n = min64(p1 * PANEL, g->N) - p0 * PANEL, k = g->topk;
-    float *tail = r + g->M * g->per * PANEL;
+    const int64_t ld = (p1 - p0) * PANEL, n = min64(p1 * PANEL, g->N) - p0 * PANEL, k = g->topk, kept = min64(k, n);
     int64_t ids[MAX_CANDIDATES];
     for (int64_t m = 0; m < g->M; m++) {
-        float *vals = tail + m * 2 * k, *at = vals + k;
-        for (int64_t j = 0; j < k; j++) { vals[j] = -INFINITY; ids[j] = -1 - p0 * PANEL; }
-        top_k_row(r + m * ld, n, min64(k, n), vals, ids);
-        for (int64_t j = 0; j < k; j++) at[j] = (float)(ids[j] + p0 * PANEL);
+        float *vals = candidates_of(g, r) + m * 2 * k, *at = vals + k;
+        top_k_row(r + m * ld, n, kept, vals, ids);
+        for (int64_t j = 0; j < k; j++) {
+            if (j >= kept) vals[j] = -INFINITY;
+            at[j] = j < kept ? (float)(ids[j] + p0 * PANEL) : -1.0f;
+        }
     }
 }
 
@@ -863,7 +869,7 @@ static void gemm_commit(const GemmPhase *g, int64_t p0, int64_t p1, const float 
     const int64_t hd = g->hd, A = g->heads * hd, KV = g->kv_heads * hd;
     if (g->topk)
         for (int64_t m = 0; m < g->M; m++)
-            memcpy(g->cand + (m * g->items + p0 / g->per) * 2 * g->topk, r + g->M * g->per * PANEL + m * 2 * g->topk,
+            memcpy(g->cand + (m * g->items + p0 / g->per) * 2 * g->topk, candidates_of(g, r) + m * 2 * g->topk,
                    2 * g->topk * sizeof(float));
     for (int64_t m = 0; m < g->M; m++) {
         const float *rm = r + m * ld;
@@ -1273,15 +1279,17 @@ void sample_support(const float *logits, int64_t rows, int64_t vocab, int64_t k,
 // The k of a row's candidates [items, 2 topk] (head_candidates: each item's topk values, then their
 // ids) that top_k_row would keep from the whole row: the first k by value, then by lower id. Every
 // one of those is among its own item's first topk >= k, so the selection is the same, bit for bit.
+static inline int ranks_ahead(float x, int64_t id, float y, int64_t other) { return x > y || (x == y && id < other); }
+
 static void top_k_candidates(const float *cand, int64_t items, int64_t topk, int64_t k, float *vals, int64_t *ids) {
     int64_t m = 0;
     for (int64_t i = 0; i < items; i++)
         for (int64_t j = 0; j < topk; j++) {
             const float x = cand[i * 2 * topk + j];
             const int64_t id = (int64_t)cand[i * 2 * topk + topk + j];
-            if (id < 0 || (m == k && !(x > vals[k - 1] || (x == vals[k - 1] && id < ids[k - 1])))) continue;
+            if (id < 0 || (m == k && !ranks_ahead(x, id, vals[k - 1], ids[k - 1]))) continue;
             int64_t at = m < k ? m++ : k - 1;
-            while (at > 0 && (x > vals[at - 1] || (x == vals[at - 1] && id < ids[at - 1]))) {
+            while (at > 0 && ranks_ahead(x, id, vals[at - 1], ids[at - 1])) {
                 vals[at] = vals[at - 1]; ids[at] = ids[at - 1]; at--;
             }
             vals[at] = x; ids[at] = id;
