@@ -82,18 +82,19 @@ def generate(
     prefill_seconds = time.perf_counter() - start
     yield StartEvent(len(context), prefill_seconds, target.name, drafter.name if drafter else "none",
                      target.backend_label, describe_device(target))
+    resumed = time.perf_counter()  # the loop has control again: the round's clock runs from here
 
     metrics = SpecMetrics()
     no_draft = Proposal([], torch.empty(0, vocab))
     previous = cfg
     params, cfg_dict, rule = _round_settings(cfg, vocab)  # rebuilt only in a round whose snapshot is new
     reason = "max_new_tokens"
-    round_index = 0
+    round_index, handoff = 0, 0.0
     while len(generated) < cfg.max_new_tokens:
         if stop is not None and stop.is_set():
             reason = "stopped"
             break
-        clock = PhaseClock()
+        clock = PhaseClock(resumed, handoff)
         cfg = config.snapshot(previous)
         if cfg is not previous:
             params, cfg_dict, rule = _round_settings(cfg, vocab)
@@ -165,15 +166,17 @@ def generate(
             verify_seconds=verify_seconds,
             target_forwards=int(bool(feed)),
             round_seconds=clock.total,
-            elapsed_seconds=time.perf_counter() - start,
+            elapsed_seconds=clock.last_lap - start,
             config=cfg_dict,
             config_changes=changes,
             phase_seconds=clock.seconds,
             details=token_events[0].details,
         )
         metrics.add_round(round_event)
+        handoff = time.perf_counter() - clock.last_lap  # closing this round: charged to the next one
         yield from token_events
         yield round_event
+        resumed = time.perf_counter()
         previous = cfg
         round_index += 1
         if finished:

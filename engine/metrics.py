@@ -17,22 +17,33 @@ from engine.ssd.theory import ssd_speedup
 
 # Where a round's wall time goes, in loop order. The two *_forward phases are the models' own
 # forwards (drafter.forward_seconds, target.forward_seconds); everything else is the overhead the
-# benchmark's `overhead_fraction` counts: the drafter's and the verify call's work around their
-# forwards (the draft's own sampling is in draft_other), the sampling transform of the verified
-# rows with the acceptance rule on their kept support (one native call where the kernels built),
-# the KV rollback and feature hand-over, building the round's events, and the loop's bookkeeping.
-ROUND_PHASES = ("draft_forward", "draft_other", "verify_forward", "verify_other", "sampling_rule", "rollback",
-                "events", "bookkeeping")
+# benchmark's `overhead_fraction` counts: the work that closed the round before (building its
+# RoundEvent and adding it to the metrics, `handoff`), the drafter's and the verify call's work
+# around their forwards (the draft's own sampling is in draft_other), the sampling transform of the
+# verified rows with the acceptance rule on their kept support (one native call where the kernels
+# built), the KV rollback and feature hand-over, building the round's token events, and the loop's
+# bookkeeping. What no round counts is the time the generator is suspended (the consumer's own work
+# on the events, other runs on a shared engine thread, a pause) and the last round's closing.
+ROUND_PHASES = ("handoff", "draft_forward", "draft_other", "verify_forward", "verify_other", "sampling_rule",
+                "rollback", "events", "bookkeeping")
 
 
 class PhaseClock:
-    """Wall time per phase of one round: `lap(phase)` charges the time since the previous lap."""
+    """Wall time per phase of one round: `lap(phase)` charges the time since the previous lap, the
+    first one since `since` (when the loop got control back from the consumer). `handoff`: the
+    seconds the loop spent closing the round before (see ROUND_PHASES)."""
 
     __slots__ = ("seconds", "_last")
 
-    def __init__(self) -> None:
+    def __init__(self, since: float, handoff: float = 0.0) -> None:
         self.seconds = dict.fromkeys(ROUND_PHASES, 0.0)
-        self._last = time.perf_counter()
+        self.seconds["handoff"] = handoff
+        self._last = since
+
+    @property
+    def last_lap(self) -> float:
+        """When the last lap ended."""
+        return self._last
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
@@ -124,7 +135,7 @@ class SpecMetrics:
             "overhead_seconds": overhead,
             "overhead_fraction": overhead / self.round_seconds if self.round_seconds > 0 else None,
             "phase_seconds": dict(self.phase_seconds),
-            # decoding time outside every round: the consumer's work between rounds, handing events over
+            # decoding time outside every round: the consumer's work on the events, the last round's closing
             "between_rounds_seconds": max(decode_seconds - self.round_seconds, 0.0),
         }
 

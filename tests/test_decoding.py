@@ -1,4 +1,5 @@
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -64,6 +65,41 @@ def test_event_stream_is_consistent(tiny_pair, backend):
     assert fin.metrics["constraint_kl_total"] == pytest.approx(sum(t.constraint_kl for t in tokens))
     assert all(len(t.candidates) == 5 for t in tokens)
     assert "".join(t.text for t in tokens) == fin.text
+
+
+def test_a_round_counts_the_closing_of_the_round_before_but_not_the_consumer(tiny_pair, monkeypatch):
+    """Closing a round (its RoundEvent, the metrics) is the engine's work: it is charged to the next
+    round's `handoff`, so the overhead fraction counts it. The time the generator is suspended (the
+    consumer's work, a pause) is no round's. Deliberately slow stand-ins, bounded from below only."""
+    from engine.metrics import SpecMetrics
+
+    closing, consuming = 0.02, 0.03
+    add_round = SpecMetrics.add_round
+
+    def slow_add_round(self, event):
+        time.sleep(closing)
+        add_round(self, event)
+
+    monkeypatch.setattr(SpecMetrics, "add_round", slow_add_round)
+    cfg = SpecConfig(method="sps", num_speculative_tokens=2, max_new_tokens=12, temperature=0.0)
+    draft = tiny_pair.make_drafter("model")
+    events = []
+    for event in generate(tiny_pair.make_target(), draft, tiny_pair.tokenizer, tiny_pair.encode_prompt("Once"), cfg,
+                          eos_token_ids=frozenset()):
+        events.append(event)
+        if isinstance(event, RoundEvent):
+            time.sleep(consuming)
+    rounds = [e for e in events if isinstance(e, RoundEvent)]
+    assert len(rounds) >= 2
+    assert rounds[0].phase_seconds["handoff"] == 0.0
+    assert all(r.phase_seconds["handoff"] >= closing for r in rounds[1:])
+    assert all(r.round_seconds == pytest.approx(sum(r.phase_seconds.values())) for r in rounds)
+    for before, after in zip(rounds, rounds[1:]):  # each round starts after the one before ended
+        assert after.elapsed_seconds - after.round_seconds >= before.elapsed_seconds
+    m = events[-1].metrics
+    decode = m["elapsed_seconds"] - m["prefill_seconds"]
+    assert decode >= sum(r.round_seconds for r in rounds) + consuming * len(rounds)
+    assert m["between_rounds_seconds"] >= consuming * len(rounds)
 
 
 def test_config_changes_apply_at_the_next_round(tiny_pair, backend):
