@@ -74,6 +74,10 @@ def generate(
     generated: list[int] = []
 
     start = time.perf_counter()
+    metrics = SpecMetrics()
+    no_draft = Proposal([], torch.empty(0, vocab))
+    previous = cfg
+    params, cfg_dict, rule = _round_settings(cfg, vocab)  # rebuilt only in a round whose snapshot is new
     # The prefill's last row already is T_1 of the first round: keep it instead of re-feeding the
     # last prompt token (one target forward saved per generation, as HF generate() does).
     pending_logits: torch.Tensor | None = target.forward(context)
@@ -83,11 +87,6 @@ def generate(
     yield StartEvent(len(context), prefill_seconds, target.name, drafter.name if drafter else "none",
                      target.backend_label, describe_device(target))
     resumed = time.perf_counter()  # the loop has control again: the round's clock runs from here
-
-    metrics = SpecMetrics()
-    no_draft = Proposal([], torch.empty(0, vocab))
-    previous = cfg
-    params, cfg_dict, rule = _round_settings(cfg, vocab)  # rebuilt only in a round whose snapshot is new
     reason = "max_new_tokens"
     round_index, handoff = 0, 0.0
     while len(generated) < cfg.max_new_tokens:
@@ -225,9 +224,10 @@ def verify_round(target: CausalLM, feed: list[int], pending_logits: torch.Tensor
             done = time.perf_counter()
             support, result = rule.verdict()
             return support, proposal, result, prepared - start + rule.seconds + time.perf_counter() - done
-    logits = target.forward(feed, last_n=len(feed)) if feed else pending_logits[:0]
-    if pending_logits is not None:
-        logits = torch.cat([pending_logits, logits])
+    if pending_logits is None:
+        logits = target.forward(feed, last_n=len(feed))
+    else:
+        logits = target.forward_after(pending_logits, feed) if feed else pending_logits
     start = time.perf_counter()
     support, proposal, result = apply_rule(logits, proposal, cfg, params, draws, rule)
     return support, proposal, result, time.perf_counter() - start

@@ -233,3 +233,22 @@ def test_generate_sizes_the_cache_once_before_the_prefill(tiny):
     events = list(generate(target, tiny.make_drafter("model"), tiny.tokenizer, prompt, cfg))
     assert len(events[-1].token_ids) == 23
     assert target.max_length == len(prompt) + 23
+
+
+def test_forward_after_a_kept_row_is_the_row_then_the_forward_in_one_buffer(tiny):
+    """The first round's logits: the prefill's kept last row, then the verify's rows. The native step
+    writes its rows after a copy of the kept one (no torch op after the forward); the bits, the hidden
+    states and the cache are what concatenating a plain forward's logits gives."""
+    written, concatenated = (FastLlamaCausalLM(tiny.target_model, "fast", tiny.vocab_size) for _ in range(2))
+    if written._step is None:
+        pytest.skip("the native kernels did not build")
+    written.keep_hidden = concatenated.keep_hidden = True
+    prompt = tiny.encode_prompt("Once upon a time")
+    kept = written.forward(prompt)
+    assert torch.equal(kept, concatenated.forward(prompt))
+    rows = written.forward_after(kept, [65, 66, 67])
+    expected = torch.cat([kept, concatenated.forward([65, 66, 67], last_n=3)])
+    assert rows.shape == (4, tiny.vocab_size) and torch.equal(rows, expected)
+    assert torch.equal(written.last_hidden, concatenated.last_hidden)
+    assert written.length == concatenated.length == len(prompt) + 3
+    assert written.num_forwards == concatenated.num_forwards

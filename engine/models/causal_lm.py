@@ -59,6 +59,13 @@ class CausalLM(ABC):
         self.book_forward(len(tokens), start)
         return logits
 
+    def forward_after(self, first: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
+        """Logits [1 + len(tokens), V]: `first`, a row kept from an earlier forward (the prefill's
+        last, which is the first round's T_1), then `forward` of every fed position. A backend may
+        write them into one buffer instead of concatenating (a torch op that may wake an OpenMP
+        team right after a native forward)."""
+        return torch.cat([first, self.forward(tokens, last_n=len(tokens))])
+
     def forward_with_rule(self, tokens: Sequence[int], rule: NativeRule) -> torch.Tensor | None:
         """`forward` of every fed position (logits [len(tokens), V]) with the round's prepared rule run
         on them in the same native call, where this backend has one; None where it has not (nothing

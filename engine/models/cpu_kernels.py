@@ -452,14 +452,16 @@ class TargetStep:
         self._mine = _PerThread()
 
     def __call__(self, tokens: Sequence[int], cache: tuple[int, int, int, int, int, bool], last_n: int,
-                 rule: tuple | None = None, hidden_at: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+                 rule: tuple | None = None, hidden_at: int | None = None, logits_at: int | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Feed `tokens` at `cache` (`FastLlamaCausalLM.native_slots`): (hidden [n, H], logits [last_n, rows]).
         `rule`: (pointer to `RoundRuleArgs`, pointer to a double for its seconds) to run on the logits
         in the same call (`engine.acceptance.NativeRule.pointers`; rows must be the vocabulary). The
         logits are then the rule's input only: they are written to a buffer the next such call reuses
         (a decode round allocates no 200 KB of logits). `hidden_at`: the address of n float32 rows
         to write the hidden states to (`causal_lm.FeatureRows`, or a `scratch` buffer where nobody
-        reads them); hidden is then None."""
+        reads them); hidden is then None. `logits_at`: likewise for the last_n rows of logits
+        (without a rule); logits is then None."""
         n = len(tokens)
         if min(tokens) < 0 or max(tokens) >= self.vocab:
             raise IndexError(f"token ids must be in [0, {self.vocab}), got {list(tokens)}")
@@ -468,7 +470,9 @@ class TargetStep:
         if hidden_at is None:
             hidden = torch.empty(n, self.hidden)
             hidden_at = hidden.data_ptr()
-        if rule is None:
+        if logits_at is not None:
+            logits, at = None, logits_at
+        elif rule is None:
             logits = torch.empty(last_n, self.head_rows)
             at = logits.data_ptr()
         else:
