@@ -246,7 +246,7 @@ def test_forward_after_a_kept_row_is_the_row_then_the_forward_in_one_buffer(tiny
     prompt = tiny.encode_prompt("Once upon a time")
     kept = written.forward(prompt)
     assert torch.equal(kept, concatenated.forward(prompt))
-    rows = written.forward_after(kept, [65, 66, 67])
+    rows = written.forward_after(kept.double(), [65, 66, 67])  # a row in another dtype is converted first
     expected = torch.cat([kept, concatenated.forward([65, 66, 67], last_n=3)])
     assert rows.shape == (4, tiny.vocab_size) and torch.equal(rows, expected)
     assert torch.equal(written.last_hidden, concatenated.last_hidden)

@@ -389,10 +389,10 @@ class FastLlamaCausalLM(CausalLM):
         forward. The first round's `torch.cat` there took 0.12 ms a generation, and 2 ms where it
         woke an OpenMP team while the kernels' pool was still spinning (Intel Xeon, 2 cores)."""
         n = len(tokens)
-        if self._step is None or self._step.head_rows != self.vocab_size or not n:
+        if self._step is None or self._step.head_rows != self.vocab_size or not n or first.shape != (1, self.vocab_size):
             return super().forward_after(first, tokens)
-        logits = torch.empty(1 + n, self.vocab_size)
-        ctypes.memmove(logits.data_ptr(), first.detach().float().contiguous().data_ptr(), 4 * self.vocab_size)
+        logits, row = torch.empty(1 + n, self.vocab_size), first.detach().float().contiguous()  # row: alive for the copy
+        ctypes.memmove(logits.data_ptr(), row.data_ptr(), 4 * self.vocab_size)
         start = time.perf_counter()
         self.last_hidden, _ = self._step(tokens, self.native_slots(n), n, hidden_at=self._hidden_at(n),
                                          logits_at=logits.data_ptr() + 4 * self.vocab_size)
