@@ -389,7 +389,7 @@ class FastLlamaCausalLM(CausalLM):
         forward. The first round's `torch.cat` there took 0.12 ms a generation, and 2 ms where it
         woke an OpenMP team while the kernels' pool was still spinning (Intel Xeon, 2 cores)."""
         n = len(tokens)
-        if self._step is None or self._step.head_rows != self.vocab_size or not n or first.shape != (1, self.vocab_size):
+        if not self._one_call_with_vocabulary(n) or first.shape != (1, self.vocab_size):
             return super().forward_after(first, tokens)
         logits, row = torch.empty(1 + n, self.vocab_size), first.detach().float().contiguous()  # row: alive for the copy
         ctypes.memmove(logits.data_ptr(), row.data_ptr(), 4 * self.vocab_size)
@@ -401,13 +401,18 @@ class FastLlamaCausalLM(CausalLM):
 
     def forward_with_rule(self, tokens: Sequence[int], rule: NativeRule) -> torch.Tensor | None:
         n = len(tokens)
-        if self._step is None or self._step.head_rows != self.vocab_size or not n:
+        if not self._one_call_with_vocabulary(n):
             return None
         start = time.perf_counter()
         self.last_hidden, logits = self._step(tokens, self.native_slots(n), n, rule.pointers, self._hidden_at(n))
         self.book_forward(n, start)
         self.forward_seconds -= rule.seconds
         return logits
+
+    def _one_call_with_vocabulary(self, n: int) -> bool:
+        """Whether n fed tokens can go through the native step with its head's rows the vocabulary
+        (what `forward_after` and `forward_with_rule` write their logits for)."""
+        return self._step is not None and self._step.head_rows == self.vocab_size and n > 0
 
     def _hidden_at(self, n: int) -> int | None:
         """Where a native step writes the hidden states of n fed positions: the draft's rows
